@@ -1,0 +1,12 @@
+"""qkv: one exact attention core and the Transformers built on it.
+
+Public API: ``qkv.attention``, ``qkv.masks``, ``qkv.MultiHeadAttention``, ``qkv.positions``.
+"""
+
+from . import masks
+from .ops import BACKENDS, BiasProducer, NoBackendError, attention, explain
+
+__version__ = "0.1.0"
+
+__all__ = ["BACKENDS", "BiasProducer", "NoBackendError", "__version__", "attention", "explain",
+           "masks"]

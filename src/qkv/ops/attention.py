@@ -1,0 +1,180 @@
+"""``qkv.attention``: validate, pick a backend, explain refusals.
+
+Shapes: B batch, H query heads, Hkv key/value heads (H % Hkv == 0), N query length,
+S key length, D head dim, Dv value dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor
+
+from .bias import BiasProducer
+from .chunked import chunked_attention
+from .masks import Causal, Mask, as_mask
+from .reference import reference_attention
+from .sdpa import sdpa_attention, sdpa_refusal
+
+__all__ = ["BACKENDS", "NoBackendError", "attention", "explain"]
+
+BACKENDS = ("sdpa", "chunked", "reference")
+REFERENCE_MAX_ELEMENTS = 1 << 28  # (B, H, N, S) scores the reference backend will materialise
+
+
+class NoBackendError(ValueError):
+    """No backend can serve the request; the message lists each backend's reason."""
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _validate(q: Tensor, k: Tensor, v: Tensor, bias, scale, dropout_p, backend) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"attention: {name} must be 4-D (B, H, N/S, D), got shape {_shape(t)}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"attention: {name} must be a floating tensor, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"attention: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"attention: q, k, v devices differ: {q.device}, {k.device}, {v.device}")
+    b, h, _, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"attention: batch sizes differ: q {_shape(q)}, k {_shape(k)}, "
+                         f"v {_shape(v)}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"attention: k and v must have the same heads Hkv: k {_shape(k)}, "
+                         f"v {_shape(v)}")
+    if k.shape[1] == 0 or h % k.shape[1] != 0:
+        raise ValueError(f"attention: query heads H={h} must be a multiple of key/value heads "
+                         f"Hkv={k.shape[1]}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"attention: k and v must have the same length S: k {_shape(k)}, "
+                         f"v {_shape(v)}")
+    if k.shape[3] != d:
+        raise ValueError(f"attention: q and k head dims differ: q {_shape(q)}, k {_shape(k)}")
+    if k.shape[2] == 0 or d == 0:
+        raise ValueError(f"attention: empty keys or head dim: k {_shape(k)}")
+    if isinstance(bias, Tensor):
+        if not bias.dtype.is_floating_point:
+            raise TypeError(f"attention: bias must be a float tensor (additive), got "
+                            f"{bias.dtype}; pass boolean masks as mask= (True = may attend)")
+        if bias.dim() > 4 or any(
+                g not in (1, w) for g, w in zip(bias.shape[::-1], (k.shape[2], q.shape[2], h, b),
+                                                strict=False)):
+            raise ValueError(f"attention: bias shape {_shape(bias)} is not broadcastable to "
+                             f"(B, H, N, S) = {(b, h, q.shape[2], k.shape[2])}")
+    elif isinstance(bias, BiasProducer):
+        if bias.num_heads is not None and bias.num_heads != h:
+            raise ValueError(f"attention: bias producer {type(bias).__name__} is built for "
+                             f"{bias.num_heads} heads, q has H={h}")
+    elif bias is not None:
+        raise TypeError(f"attention: bias must be a float tensor or a qkv BiasProducer, got "
+                        f"{type(bias).__name__}")
+    if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale)
+                              or scale <= 0):
+        raise ValueError(f"attention: scale must be a positive finite number, got {scale!r}")
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"attention: dropout_p must be in [0, 1), got {dropout_p!r}")
+    if backend not in (*BACKENDS, "auto"):
+        raise ValueError(f"attention: backend must be one of {('auto', *BACKENDS)}, "
+                         f"got {backend!r}")
+
+
+def _refusal(name: str, q, k, v, mask, bias) -> str | None:
+    if name == "sdpa":
+        return sdpa_refusal(q, k, v, mask, bias)
+    if name == "reference":
+        size = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+        if size > REFERENCE_MAX_ELEMENTS:
+            return f"would materialise {size} scores (limit {REFERENCE_MAX_ELEMENTS})"
+    return None
+
+
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, *,
+    mask: Mask | Tensor | None = None,
+    bias: Tensor | BiasProducer | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    backend: str = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Scaled dot-product attention: softmax(q kᵀ · scale + bias, mask) v.
+
+    Args:
+        q: queries (B, H, N, D).
+        k: keys (B, Hkv, S, D); H % Hkv == 0 gives grouped-/multi-query attention.
+        v: values (B, Hkv, S, Dv); Dv may differ from D.
+        mask: True = may attend. A ``qkv.masks.Mask`` (``Causal()``, ``Padding(lengths)``,
+            combined with ``&``) or a bool tensor broadcastable to (B, H, N, S).
+        bias: additive float tensor broadcastable to (B, H, N, S), or a bias producer
+            (``qkv.positions.ALiBi``, ``T5Bias``, ``ShawRelative``) computed per block.
+        causal: shorthand for ``mask=Causal()`` (bottom-right aligned) combined with ``mask``.
+        scale: logit scale, default 1/sqrt(D).
+        dropout_p: dropout on the attention weights (apply only while training).
+        return_weights: also return the weights (B, H, N, S) (pre-dropout, fp32 for half
+            inputs), materialised by the reference math whichever backend computed the output.
+        backend: "auto" (fastest that can serve), "sdpa", "chunked" or "reference".
+
+    Returns:
+        out (B, H, N, Dv) in q's dtype, or ``(out, weights)``. A query row with nothing to
+        attend to returns zeros (and finite gradients).
+
+    Raises:
+        TypeError / ValueError naming the offending argument; ``NoBackendError`` listing each
+        backend's reason when none can serve.
+    """
+    _validate(q, k, v, bias, scale, dropout_p, backend)
+    mask = as_mask(mask)
+    if causal:
+        mask = Causal() if mask is None else Causal() & mask
+    if mask is not None:
+        mask.validate(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = float(scale)
+
+    candidates = BACKENDS if backend == "auto" else (backend,)
+    reasons = {}
+    chosen = None
+    for name in candidates:
+        reason = _refusal(name, q, k, v, mask, bias)
+        if reason is None:
+            chosen = name
+            break
+        reasons[name] = reason
+    if chosen is None:
+        lines = "; ".join(f"{n}: {r}" for n, r in reasons.items())
+        raise NoBackendError(f"attention: no backend can serve this request — {lines}")
+
+    if chosen == "sdpa":
+        out = sdpa_attention(q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p)
+    elif chosen == "chunked":
+        out, _ = chunked_attention(q, k, v, mask=mask, bias=bias, scale=scale,
+                                   dropout_p=dropout_p)
+    else:
+        out, weights = reference_attention(q, k, v, mask=mask, bias=bias, scale=scale,
+                                           dropout_p=dropout_p)
+        if return_weights:
+            return out, weights
+    if return_weights:
+        _, weights = reference_attention(q, k, v, mask=mask, bias=bias, scale=scale)
+        return out, weights
+    return out
+
+
+def explain(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, causal: bool = False
+            ) -> dict[str, str | None]:
+    """For each backend, why it would refuse this request (None: it can serve)."""
+    mask = as_mask(mask)
+    if causal:
+        mask = Causal() if mask is None else Causal() & mask
+    return {name: _refusal(name, q, k, v, mask, bias) for name in BACKENDS}
+

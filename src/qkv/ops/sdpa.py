@@ -1,0 +1,70 @@
+"""The ``sdpa`` backend: torch.nn.functional.scaled_dot_product_attention (fused kernels).
+
+Shapes: B batch, H query heads, Hkv key/value heads, N queries, S keys, D head dim, Dv value.
+
+Plain causal (N == S, or top-left) becomes ``is_causal=True`` so torch's kernel skips the
+masked half; other masks are materialised as one bool tensor (B|1, H|1, N, S); a dense
+bias becomes a float mask with -inf where the mask forbids. Bias producers are materialised
+only when small (``MAX_MATERIALISED`` elements).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .bias import BiasProducer
+from .masks import Causal, Mask, split_causal
+
+__all__ = ["MAX_MATERIALISED", "sdpa_attention", "sdpa_refusal"]
+
+MAX_MATERIALISED = 1 << 22  # elements of a (B, H, N, S) bias the sdpa backend will build
+
+
+def sdpa_refusal(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, bias) -> str | None:
+    """Why the sdpa backend cannot serve this request (None: it can)."""
+    if isinstance(bias, BiasProducer):
+        if bias.needs_query:
+            return f"{type(bias).__name__} depends on the queries, which SDPA cannot express"
+        if bias.has_value_term:
+            return f"{type(bias).__name__} adds a value term, which SDPA cannot express"
+        size = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+        if size > MAX_MATERIALISED:
+            return (f"bias producer would materialise a (B, H, N, S) bias of {size} elements "
+                    f"(limit {MAX_MATERIALISED})")
+    return None
+
+
+def _is_plain_causal(causal: Causal | None, n: int, s: int) -> bool:
+    return causal is not None and (n == s or causal.alignment == "top_left")
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None,
+                   bias: Tensor | BiasProducer | None, scale: float,
+                   dropout_p: float = 0.0) -> Tensor:
+    """Attention through torch's SDPA. q (B, H, N, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv).
+
+    Returns (B, H, N, Dv) in q's dtype; fully masked rows give zeros (torch's safe softmax).
+    """
+    n, s = q.shape[2], k.shape[2]
+    causal, rest = split_causal(mask)
+    is_causal = _is_plain_causal(causal, n, s) and bias is None
+    if is_causal:
+        keep = None if rest is None else rest.dense(n, s, q.device)
+        if keep is not None:  # is_causal cannot combine with attn_mask: fold it in
+            keep = keep & causal.dense(n, s, q.device)
+            is_causal = False
+    else:
+        keep = None if mask is None else mask.dense(n, s, q.device)
+    attn_mask = keep
+    if isinstance(bias, BiasProducer):
+        bias = bias.dense(n, s, q=None, scale=scale, device=q.device)
+    if bias is not None:
+        attn_mask = bias.to(q.dtype)
+        if keep is not None:
+            attn_mask = torch.where(keep, attn_mask, float("-inf"))
+    gqa = k.shape[1] != q.shape[1]
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        enable_gqa=gqa)
