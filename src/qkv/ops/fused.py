@@ -29,7 +29,7 @@ from torch import Tensor
 from .bias import BiasProducer
 from .masks import Causal, Mask
 
-__all__ = ["ALIBI_ROWS", "FlashSegment", "Band", "plan_segments", "fast_path_refusal"]
+__all__ = ["ALIBI_ROWS", "Band", "FlashSegment", "fast_path_refusal", "plan_segments"]
 
 ALIBI_ROWS = 256
 
@@ -136,6 +136,7 @@ class SegmentRunner:
         self.q, self.k, self.v, self.scale, self.prod = q, k, v, scale, producer
         self.n, self.s = q.shape[2], k.shape[2]
         self._flipped: tuple[Tensor, Tensor, Tensor] | None = None
+        self._buffers: dict = {}
         slopes = producer.key_linear_slopes()
         self.slopes = None if slopes is None else slopes.to(q.device, q.dtype)
 
@@ -153,16 +154,26 @@ class SegmentRunner:
             return x[:, :, seg.t0:seg.t1]
         return x[:, :, self.n - seg.t1:self.n - seg.t0].flip(2)
 
+    def _alibi_buffers(self, flipped: bool) -> tuple[Tensor, Tensor]:
+        """k and v of a frame with one extra column, allocated once (B, H, S, D + 1).
+
+        Each segment rewrites only the key column it uses, instead of copying k and v."""
+        key = ("alibi", flipped)
+        if key not in self._buffers:
+            _, k, v = self.frame(flipped)
+            self._buffers[key] = (_pad(k, 0.0), _pad(v, 0.0))
+        return self._buffers[key]
+
     def inputs(self, seg: FlashSegment) -> tuple[Tensor, Tensor, Tensor]:
         """Kernel inputs of a segment, with ALiBi's extra dimension where needed."""
         q, k, v = self.frame(seg.flipped)
-        qs, ks, vs = q[:, :, seg.t0:seg.t1], k[:, :, seg.c0:seg.c1], v[:, :, seg.c0:seg.c1]
         if seg.slope_ref is None:
-            return qs, ks, vs
+            return q[:, :, seg.t0:seg.t1], k[:, :, seg.c0:seg.c1], v[:, :, seg.c0:seg.c1]
+        kbuf, vbuf = self._alibi_buffers(seg.flipped)
         keys = torch.arange(seg.c0, seg.c1, device=q.device, dtype=q.dtype) - seg.slope_ref
-        col = (self.slopes[:, None] * keys[None, :] / self.scale)  # (H, s)
-        col = col[None, :, :, None].expand(ks.shape[0], -1, -1, 1)
-        return (_pad(qs, 1.0), torch.cat([ks, col.to(ks.dtype)], dim=-1), _pad(vs, 0.0))
+        kbuf[:, :, seg.c0:seg.c1, -1] = self.slopes[:, None] * keys[None, :] / self.scale
+        return (_pad(q[:, :, seg.t0:seg.t1], 1.0), kbuf[:, :, seg.c0:seg.c1],
+                vbuf[:, :, seg.c0:seg.c1])
 
     def row_term(self, seg: FlashSegment, q_rows: Tensor | None) -> Tensor | None:
         """Additive LSE shift of the segment's rows, (B|1, H, r), or None."""

@@ -153,11 +153,11 @@ class Padding(Mask):
                 )
             if (lengths < 0).any():
                 raise ValueError(f"Padding: lengths must be >= 0, got {lengths.tolist()}")
-        if keep is not None:
-            if not isinstance(keep, Tensor) or keep.dtype != torch.bool or keep.dim() != 2:
-                got = (f"shape {tuple(keep.shape)} dtype {keep.dtype}"
-                       if isinstance(keep, Tensor) else type(keep).__name__)
-                raise ValueError(f"Padding: keep must be a (B, S) bool tensor, got {got}")
+        if keep is not None and (
+                not isinstance(keep, Tensor) or keep.dtype != torch.bool or keep.dim() != 2):
+            got = (f"shape {tuple(keep.shape)} dtype {keep.dtype}"
+                   if isinstance(keep, Tensor) else type(keep).__name__)
+            raise ValueError(f"Padding: keep must be a (B, S) bool tensor, got {got}")
         self.lengths = lengths
         self.keep = keep
 

@@ -13,7 +13,7 @@ All tile math runs in fp32 for half-precision inputs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -39,7 +39,7 @@ class TileProblem:
     seed: int = 0
     block_q: int = 256
     block_k: int = 512
-    device: torch.device = torch.device("cpu")
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def query_blocks(self):
         """Yields (i0, i1) over the queries."""
