@@ -14,7 +14,7 @@ from .bias import BiasProducer
 from .chunked import chunked_attention
 from .masks import Causal, Mask, as_mask
 from .reference import reference_attention
-from .sdpa import sdpa_attention, sdpa_refusal
+from .sdpa import MAX_MATERIALISED, sdpa_attention, sdpa_refusal
 
 __all__ = ["BACKENDS", "NoBackendError", "attention", "explain"]
 
@@ -121,7 +121,8 @@ def attention(
         dropout_p: dropout on the attention weights (apply only while training).
         return_weights: also return the weights (B, H, N, S) (pre-dropout, fp32 for half
             inputs), materialised by the reference math whichever backend computed the output.
-        backend: "auto" (fastest that can serve), "sdpa", "chunked" or "reference".
+        backend: "auto" (fastest that can serve: sdpa, then chunked; the reference math for
+            small problems SDPA cannot express), "sdpa", "chunked" or "reference".
 
     Returns:
         out (B, H, N, Dv) in q's dtype, or ``(out, weights)``. A query row with nothing to
@@ -141,7 +142,11 @@ def attention(
         scale = 1.0 / math.sqrt(q.shape[-1])
     scale = float(scale)
 
-    candidates = BACKENDS if backend == "auto" else (backend,)
+    candidates = (backend,)
+    if backend == "auto":
+        # Small problems that SDPA cannot express run fastest materialised (reference math).
+        small = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] <= MAX_MATERIALISED
+        candidates = ("sdpa", "reference", "chunked") if small else BACKENDS
     reasons = {}
     chosen = None
     for name in candidates:

@@ -1,0 +1,49 @@
+"""Shared timing and peak-memory helpers for the benchmark scripts (not a public API).
+
+Times are the median of ``repeat`` runs after one warm-up. Peak memory is measured in a fresh
+subprocess as the growth of the process's resident-set high-water mark (ru_maxrss) during
+the call, after its inputs are allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+
+def median_time(fn: Callable[[], object], repeat: int = 3, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` in seconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def rss_peak_mib() -> float:
+    """This process's resident-set high-water mark in MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def peak_growth_in_subprocess(module: str, case: str, *args: str) -> dict:
+    """Run ``python -m module --measure case args`` and parse the JSON line it prints."""
+    cmd = [sys.executable, "-m", module, "--measure", case, *args]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    """Print a markdown table."""
+    print(f"\n### {title}\n")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---" for _ in header) + "|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")

@@ -1,0 +1,98 @@
+"""qkv.attention vs torch SDPA: plain causal, and relative-position causal attention.
+
+Usage: python -m benchmarks.bench_attention [--quick] [--n 16384] [--repeat 3]
+
+Shapes B=1, H=8, N=S=16384, D=64, fp32, CPU. Every case runs in its own subprocess so that
+its peak memory (growth of the resident-set high-water mark during the call, inputs already
+allocated) is its own. Ratios are against plain causal torch SDPA measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks._harness import (median_time, peak_growth_in_subprocess, print_table,
+                                 rss_peak_mib)
+
+CASES = {
+    "sdpa causal (torch)": "torch SDPA, is_causal=True",
+    "qkv causal": "qkv.attention(causal=True)",
+    "qkv ALiBi": "qkv.attention(causal=True, bias=ALiBi(8))",
+    "qkv T5 buckets": "qkv.attention(causal=True, bias=T5Bias(8, bidirectional=False))",
+    "qkv Shaw k=16": "qkv.attention(causal=True, bias=ShawRelative(64, max_distance=16))",
+}
+
+
+def _make_call(case: str, q, k, v):
+    import qkv
+    from qkv.positions import ALiBi, ShawRelative, T5Bias
+
+    if case == "sdpa causal (torch)":
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    bias = {"qkv causal": None, "qkv ALiBi": ALiBi(8),
+            "qkv T5 buckets": T5Bias(8, bidirectional=False),
+            "qkv Shaw k=16": ShawRelative(64, max_distance=16)}[case]
+    return lambda: qkv.attention(q, k, v, causal=True, bias=bias)
+
+
+def measure(case: str, n: int, repeat: int, train: bool) -> dict:
+    """Time and peak memory of one case in this process."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 8, n, 64, requires_grad=train) for _ in range(3))
+    call = _make_call(case, q, k, v)
+
+    def step():
+        if train:
+            call().sum().backward()
+            for t in (q, k, v):
+                t.grad = None
+        else:
+            with torch.inference_mode():
+                call()
+
+    before = rss_peak_mib()
+    step()  # warm-up, and the call whose peak we record
+    peak = rss_peak_mib() - before
+    return {"seconds": median_time(step, repeat=repeat, warmup=0), "peak_mib": peak}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat")
+    parser.add_argument("--n", type=int, default=16384)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--no-train", action="store_true", help="skip forward+backward")
+    parser.add_argument("--measure", help=argparse.SUPPRESS)
+    parser.add_argument("--train", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.n, args.repeat = 256, 1
+    if args.measure:
+        print(json.dumps(measure(args.measure, args.n, args.repeat, args.train)))
+        return
+    print(f"command: python -m benchmarks.bench_attention {' '.join(sys.argv[1:])}")
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, B=1 H=8 N=S={args.n} "
+          f"D=64 fp32")
+    modes = [("forward (inference_mode)", False)]
+    if not args.no_train:
+        modes.append(("forward + backward", True))
+    for title, train in modes:
+        results = {}
+        for case in CASES:
+            extra = ["--n", str(args.n), "--repeat", str(args.repeat)]
+            results[case] = peak_growth_in_subprocess(
+                "benchmarks.bench_attention", case, *extra, *(["--train"] if train else []))
+        base = results["sdpa causal (torch)"]["seconds"]
+        rows = [[case, CASES[case], f"{r['seconds']:.3f}", f"{r['seconds'] / base:.2f}×",
+                 f"{r['peak_mib']:.0f}"] for case, r in results.items()]
+        print_table(f"{title}, N={args.n}",
+                    ["case", "call", "seconds", "vs causal SDPA", "peak MiB"], rows)
+
+
+if __name__ == "__main__":
+    main()

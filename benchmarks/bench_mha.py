@@ -1,0 +1,124 @@
+"""qkv.MultiHeadAttention vs torch.nn.MultiheadAttention, side by side in one run.
+
+Shapes: B batch, N sequence length, C model width, H heads.
+
+Both modules hold the same weights (``MultiHeadAttention.from_torch``). Two cases:
+- eval forward: eval mode, ``torch.inference_mode()``, torch with ``batch_first=True`` and
+  ``need_weights=False`` (torch's fused "fast path");
+- forward+backward: training mode (dropout 0), gradient of a fixed random cotangent.
+Each repeat times torch and qkv back to back (alternating which goes first), so drift in the
+machine's speed hits both; the table shows medians and the ratio torch / qkv (> 1: qkv is
+faster).
+
+    python benchmarks/bench_mha.py            # B=8, N=512, C=512, H=8, fp32
+    python benchmarks/bench_mha.py --quick    # tiny sizes, 1 repeat (keeps the script alive)
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from qkv.modules import MultiHeadAttention
+
+
+def _time(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _side_by_side(fns: dict[str, Callable[[], object]], warmup: int, repeats: int
+                  ) -> dict[str, float]:
+    """Median seconds per call of each function, timed alternately in one loop."""
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            times[name].append(_time(fns[name]))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def run(batch: int, seq: int, dim: int, heads: int, warmup: int, repeats: int,
+        dtype: torch.dtype) -> list[tuple[str, float, float]]:
+    """Rows ``(case, torch seconds, qkv seconds)``."""
+    torch.manual_seed(0)
+    ref = nn.MultiheadAttention(dim, heads, batch_first=True, dtype=dtype)
+    mha = MultiHeadAttention.from_torch(ref)
+    x = torch.randn(batch, seq, dim, dtype=dtype)  # (B, N, C)
+
+    ref.eval()
+    mha.eval()
+    with torch.inference_mode():
+        want = ref(x, x, x, need_weights=False)[0]
+        got = mha(x)
+        err = (want - got).abs().max().item()
+        if err > 1e-3:
+            raise SystemExit(f"bench_mha: outputs differ by {err:.3g}; not timing")
+        eval_times = _side_by_side({
+            "torch": lambda: ref(x, x, x, need_weights=False),
+            "qkv": lambda: mha(x),
+        }, warmup, repeats)
+
+    ref.train()
+    mha.train()
+    xg = x.clone().requires_grad_(True)
+    grad = torch.randn_like(x)  # (B, N, C)
+
+    def torch_step() -> None:
+        out: Tensor = ref(xg, xg, xg, need_weights=False)[0]
+        out.backward(grad)
+
+    def qkv_step() -> None:
+        mha(xg).backward(grad)
+
+    train_times = _side_by_side({"torch": torch_step, "qkv": qkv_step}, warmup, repeats)
+    return [("eval forward (inference_mode)", eval_times["torch"], eval_times["qkv"]),
+            ("forward+backward (train)", train_times["torch"], train_times["qkv"])]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=8, help="B")
+    parser.add_argument("--seq", type=int, default=512, help="N")
+    parser.add_argument("--dim", type=int, default=512, help="C")
+    parser.add_argument("--heads", type=int, default=8, help="H")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes and one repeat: checks the script runs, times nothing")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.batch, args.seq, args.dim, args.heads, args.warmup, args.repeats = 2, 16, 32, 4, 1, 1
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+
+    print("command:", shlex.join([sys.executable, *sys.argv]))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; B={args.batch} "
+          f"N={args.seq} C={args.dim} H={args.heads} {args.dtype}; median of {args.repeats} "
+          f"(after {args.warmup} warm-up)")
+    rows = run(args.batch, args.seq, args.dim, args.heads, args.warmup, args.repeats, dtype)
+    print(f"| {'case':<30} | {'torch MHA (ms)':>14} | {'qkv MHA (ms)':>12} | "
+          f"{'torch/qkv':>9} |")
+    print(f"|{'-' * 32}|{'-' * 16}:|{'-' * 13}:|{'-' * 10}:|")
+    for case, t_torch, t_qkv in rows:
+        print(f"| {case:<30} | {t_torch * 1e3:>14.2f} | {t_qkv * 1e3:>12.2f} | "
+              f"{t_torch / t_qkv:>8.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
