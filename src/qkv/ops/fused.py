@@ -28,6 +28,7 @@ from torch import Tensor
 
 from .bias import BiasProducer
 from .masks import Causal, Mask
+from .reference import compute_dtype
 
 __all__ = ["ALIBI_ROWS", "Band", "FlashSegment", "fast_path_refusal", "plan_segments"]
 
@@ -133,12 +134,16 @@ class SegmentRunner:
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, scale: float,
                  producer: BiasProducer) -> None:
-        self.q, self.k, self.v, self.scale, self.prod = q, k, v, scale, producer
+        # Half-precision inputs run in fp32: the folded ALiBi column and the merged LSE
+        # need fp32 accuracy (and fp32 is the fast CPU kernel anyway).
+        cdt = compute_dtype(q.dtype)
+        self.q, self.k, self.v = q.to(cdt), k.to(cdt), v.to(cdt)
+        self.scale, self.prod = scale, producer
         self.n, self.s = q.shape[2], k.shape[2]
         self._flipped: tuple[Tensor, Tensor, Tensor] | None = None
         self._buffers: dict = {}
         slopes = producer.key_linear_slopes()
-        self.slopes = None if slopes is None else slopes.to(q.device, q.dtype)
+        self.slopes = None if slopes is None else slopes.to(q.device, cdt)
 
     def frame(self, flipped: bool) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v of the frame (time-reversed copies made once)."""

@@ -1,0 +1,24 @@
+"""Every benchmark script runs in --quick mode, so that none of them rots.
+
+Only that it runs and prints its table is checked: timings are never asserted.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("bench_*.py"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_benchmark_quick_mode_runs(script):
+    result = subprocess.run([sys.executable, "-m", f"benchmarks.{script}", "--quick"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "|" in result.stdout  # printed a table
