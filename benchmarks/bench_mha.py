@@ -10,8 +10,8 @@ Each repeat times torch and qkv back to back (alternating which goes first), so 
 machine's speed hits both; the table shows medians and the ratio torch / qkv (> 1: qkv is
 faster).
 
-    python benchmarks/bench_mha.py            # B=8, N=512, C=512, H=8, fp32
-    python benchmarks/bench_mha.py --quick    # tiny sizes, 1 repeat (keeps the script alive)
+Usage: python -m benchmarks.bench_mha [--quick] [--batch 8 --seq 512 --dim 512 --heads 8]
+(``--quick``: tiny sizes, one repeat; the test suite runs it so that the script never rots.)
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from benchmarks._harness import print_table
 from qkv.modules import MultiHeadAttention
 
 
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes and one repeat: checks the script runs, times nothing")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.quick:
         args.batch, args.seq, args.dim, args.heads, args.warmup, args.repeats = 2, 16, 32, 4, 1, 1
@@ -107,17 +109,15 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
 
-    print("command:", shlex.join([sys.executable, *sys.argv]))
+    print("command:", shlex.join([sys.executable, "-m", "benchmarks.bench_mha", *argv]))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; B={args.batch} "
           f"N={args.seq} C={args.dim} H={args.heads} {args.dtype}; median of {args.repeats} "
           f"(after {args.warmup} warm-up)")
     rows = run(args.batch, args.seq, args.dim, args.heads, args.warmup, args.repeats, dtype)
-    print(f"| {'case':<30} | {'torch MHA (ms)':>14} | {'qkv MHA (ms)':>12} | "
-          f"{'torch/qkv':>9} |")
-    print(f"|{'-' * 32}|{'-' * 16}:|{'-' * 13}:|{'-' * 10}:|")
-    for case, t_torch, t_qkv in rows:
-        print(f"| {case:<30} | {t_torch * 1e3:>14.2f} | {t_qkv * 1e3:>12.2f} | "
-              f"{t_torch / t_qkv:>8.2f}x |")
+    table = [[case, f"{t_torch * 1e3:.2f}", f"{t_qkv * 1e3:.2f}", f"{t_torch / t_qkv:.2f}x"]
+             for case, t_torch, t_qkv in rows]
+    print_table("qkv.MultiHeadAttention vs torch.nn.MultiheadAttention",
+                ["case", "torch MHA (ms)", "qkv MHA (ms)", "torch / qkv"], table)
 
 
 if __name__ == "__main__":
