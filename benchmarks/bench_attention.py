@@ -16,8 +16,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from benchmarks._harness import (median_time, peak_growth_in_subprocess, print_table,
-                                 rss_peak_mib)
+from benchmarks._harness import median_time, peak_growth_in_subprocess, print_table, rss_peak_mib
 
 CASES = {
     "sdpa causal (torch)": "torch SDPA, is_causal=True",

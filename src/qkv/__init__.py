@@ -3,10 +3,11 @@
 Public API: ``qkv.attention``, ``qkv.masks``, ``qkv.MultiHeadAttention``, ``qkv.positions``.
 """
 
-from . import masks
+from . import masks, positions
+from .modules import KVCache, MultiHeadAttention
 from .ops import BACKENDS, BiasProducer, NoBackendError, attention, explain
 
 __version__ = "0.1.0"
 
-__all__ = ["BACKENDS", "BiasProducer", "NoBackendError", "__version__", "attention", "explain",
-           "masks"]
+__all__ = ["BACKENDS", "BiasProducer", "KVCache", "MultiHeadAttention", "NoBackendError",
+           "__version__", "attention", "explain", "masks", "positions"]
