@@ -1,0 +1,162 @@
+"""Shared fixtures and helpers for the qkv test suite.
+
+Shapes: B batch, H query heads, Hkv key/value heads, N query length, S key length,
+D head dim, Dv value dim. Internal layout (B, H, N, D).
+
+Oracles live here so every test file compares against the same ones:
+- ``oracle_attention``: plain fp64 math written independently of ``qkv.ops.reference``
+  (dense keep-matrix, explicit head expansion, softmax with empty rows -> 0);
+- ``reference64``: ``qkv.attention(backend="reference")`` on fp64 copies of the inputs,
+  the oracle the issue asks for (itself checked against ``oracle_attention``).
+
+Tolerances (``TOL``) are stated once, in one table, and quoted at each use.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor
+
+import qkv
+
+# ------------------------------------------------------------------------- tolerances
+
+#: (atol, rtol) of a tensor computed in ``dtype`` against an fp64 oracle.
+#: fp32: PyTorch's own OpInfo bar for SDPA (DESIGN.md, CHECKLIST 1).
+#: fp64: two fp64 implementations of the same math (summation order differs only).
+TOL: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-12, 1e-10),
+    torch.float32: (5e-5, 5e-6),
+}
+
+#: Half precision is judged relative to a naive same-dtype implementation (CHECKLIST 2):
+#: our error <= HALF_FACTOR_OUT x naive's (outputs) and HALF_FACTOR_GRAD x (gradients).
+HALF_FACTOR_OUT = 2.0
+HALF_FACTOR_GRAD = 3.0
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def dtype_id(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------------------- seeding
+
+
+@pytest.fixture(autouse=True)
+def _seed_from_test_id(request) -> None:
+    """Seed torch's global RNG from the test id: order- and worker-independent (xdist)."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def gen(request) -> torch.Generator:
+    """A private generator seeded from the test id, for inputs that must not depend on
+    how much of the global RNG the code under test consumed."""
+    g = torch.Generator()
+    g.manual_seed(zlib.crc32(request.node.nodeid.encode()) ^ 0x5EED)
+    return g
+
+
+def randn(*shape: int, gen: torch.Generator | None = None,
+          dtype: torch.dtype = torch.float32) -> Tensor:
+    """Standard normal tensor drawn in fp64 then cast (same values across dtypes)."""
+    return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def make_qkv(b: int, h: int, n: int, s: int, d: int, *, hkv: int | None = None,
+             dv: int | None = None, dtype: torch.dtype = torch.float32,
+             gen: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """q (B, H, N, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), leaves requiring grad."""
+    hkv = h if hkv is None else hkv
+    dv = d if dv is None else dv
+    q = randn(b, h, n, d, gen=gen, dtype=dtype).requires_grad_()
+    k = randn(b, hkv, s, d, gen=gen, dtype=dtype).requires_grad_()
+    v = randn(b, hkv, s, dv, gen=gen, dtype=dtype).requires_grad_()
+    return q, k, v
+
+
+def fp64(t: Tensor | None) -> Tensor | None:
+    """An fp64 leaf copy with the same requires_grad (None stays None)."""
+    if t is None:
+        return None
+    return t.detach().double().requires_grad_(t.requires_grad)
+
+
+# ------------------------------------------------------------------------------ oracles
+
+
+def oracle_weights(q: Tensor, k: Tensor, *, keep: Tensor | None = None,
+                   bias: Tensor | None = None, scale: float | None = None) -> Tensor:
+    """softmax(q kᵀ·scale + bias) over allowed keys, (B, H, N, S), written from the formula.
+
+    ``keep`` is a bool tensor broadcastable to (B, H, N, S) (True = may attend); -inf logits
+    are masked too. Rows with no allowed key get all-zero weights. Independent of
+    qkv.ops.reference.
+    """
+    k = torch.repeat_interleave(k, q.shape[1] // k.shape[1], dim=1)  # (B, H, S, D)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    logits = torch.einsum("bhnd,bhsd->bhns", q, k) * scale  # (B, H, N, S)
+    if bias is not None:
+        logits = logits + bias
+    allowed = logits != -torch.inf
+    if keep is not None:
+        allowed = allowed & keep
+    logits = torch.where(allowed, logits, torch.zeros_like(logits))
+    top = torch.where(allowed, logits, torch.full_like(logits, -torch.inf)).amax(-1, True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    e = torch.where(allowed, torch.exp(logits - top), torch.zeros_like(logits))
+    denom = e.sum(-1, keepdim=True)
+    return e / torch.where(denom > 0, denom, torch.ones_like(denom))
+
+
+def oracle_attention(q: Tensor, k: Tensor, v: Tensor, *, keep: Tensor | None = None,
+                     bias: Tensor | None = None, scale: float | None = None) -> Tensor:
+    """``oracle_weights(...) @ v`` (B, H, N, Dv); fully masked rows give 0."""
+    weights = oracle_weights(q, k, keep=keep, bias=bias, scale=scale)  # (B, H, N, S)
+    v = torch.repeat_interleave(v, q.shape[1] // v.shape[1], dim=1)  # (B, H, S, Dv)
+    return torch.einsum("bhns,bhsv->bhnv", weights, v)
+
+
+def reference64(q: Tensor, k: Tensor, v: Tensor, **kw) -> Tensor:
+    """``qkv.attention(backend="reference")`` on fp64 copies (grads flow to the copies)."""
+    bias = kw.pop("bias", None)
+    if isinstance(bias, Tensor):
+        bias = fp64(bias)
+    return qkv.attention(fp64(q), fp64(k), fp64(v), bias=bias, backend="reference", **kw)
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def grads_of(fn: Callable[[], Tensor], inputs: list[Tensor | None], d_out: Tensor
+             ) -> tuple[Tensor, list[Tensor | None]]:
+    """Run ``fn`` and backpropagate ``d_out``; returns (out, grads of the inputs that need
+    them, None for the rest). Inputs must be leaves; their .grad is reset first."""
+    for t in inputs:
+        if t is not None:
+            t.grad = None
+    out = fn()
+    live = [t for t in inputs if t is not None and t.requires_grad]
+    got = torch.autograd.grad(out, live, d_out.to(out.dtype), allow_unused=False)
+    it = iter(got)
+    return out, [next(it) if (t is not None and t.requires_grad) else None for t in inputs]
+
+
+def assert_close_to(actual: Tensor, expected: Tensor, *, atol: float, rtol: float,
+                    what: str = "") -> None:
+    """``torch.testing.assert_close`` comparing in fp64 (dtype-agnostic), infs must match."""
+    torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=rtol,
+                               equal_nan=False, msg=lambda m: f"{what}: {m}")
+
+
+def max_err(actual: Tensor, expected: Tensor) -> float:
+    """Max |actual - expected| in fp64."""
+    return (actual.double() - expected.double()).abs().max().item()
