@@ -280,37 +280,13 @@ def test_composed_masks_stay_finite_in_half(backend, dtype, gen):
 
 # -------------------------------- memory past a sequence's end is ignored (CHECKLIST 9)
 # xFormers' nanify_oob_seqlen: keys/values past each row's length (Padding) are filled
-# with NaN; valid outputs must not change. Observed (torch 2.13 CPU): the NaN leaks, as
-# 0 * NaN = NaN in the weights @ V product (and in dS @ K for dQ); SDPA also turns a NaN
-# key into NaN logits that its -inf mask does not overwrite. These are bugs against the
-# checklist; the xfails below are strict so a fix shows up as XPASS.
-
-_NAN_LEAKS = {
-    # (backend, poisoned tensor, checked quantity): why it fails today
-    ("sdpa", "k", "out"): "sdpa: NaN key -> NaN logit; adding the -inf mask keeps NaN",
-    ("sdpa", "v", "out"): "sdpa: 0 weight * NaN value = NaN in weights @ V",
-    ("chunked", "v", "out"): "chunked: p = 0 for padded keys, but p @ V gives 0 * NaN = NaN",
-    ("reference", "v", "out"): "reference: weights @ V gives 0 * NaN = NaN",
-    ("sdpa", "k", "grads"): "sdpa: NaN logits",
-    ("sdpa", "v", "grads"): "sdpa: NaN in weights @ V and dO @ Vᵀ",
-    ("chunked", "k", "grads"): "chunked: dQ = dS @ K with dS = 0 at padded keys: 0 * NaN",
-    ("chunked", "v", "grads"): "chunked: dP = dO @ Vᵀ is NaN at padded keys; 0 * NaN in dS",
-    ("reference", "k", "grads"): "reference: autograd of scores = q @ kᵀ: 0 * NaN in dQ",
-    ("reference", "v", "grads"): "reference: autograd of weights @ V: NaN dP -> NaN dQ/dK",
-}
+# with NaN; valid outputs and gradients must not change (qkv.attention zeroes that memory:
+# otherwise 0 * NaN = NaN in weights @ V, and SDPA keeps a NaN logit under its -inf mask).
 
 
-def _nan_params():
-    for backend in BACKENDS:
-        for where in ("k", "v"):
-            for what in ("out", "grads"):
-                reason = _NAN_LEAKS.get((backend, where, what))
-                marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-                yield pytest.param(backend, where, what, marks=marks,
-                                   id=f"{backend}-nan_{where}-{what}")
-
-
-@pytest.mark.parametrize(("backend", "where", "what"), list(_nan_params()))
+@pytest.mark.parametrize("what", ["out", "grads"])
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_nan_past_sequence_end_changes_nothing(backend, where, what, gen):
     b, h, n, s, d = 3, 2, 6, 9, 8
     lengths = torch.tensor([9, 4, 1])

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from .bias import BiasProducer
 from .chunked import chunked_attention
-from .masks import Causal, Mask, as_mask
+from .masks import And, Causal, Mask, Padding, as_mask
 from .reference import reference_attention
 from .sdpa import MAX_MATERIALISED, sdpa_attention, sdpa_refusal
 
@@ -76,14 +76,31 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, bias, scale, dropout_p, backend) 
     elif bias is not None:
         raise TypeError(f"attention: bias must be a float tensor or a qkv BiasProducer, got "
                         f"{type(bias).__name__}")
-    if scale is not None and (not isinstance(scale, (int, float)) or not math.isfinite(scale)
-                              or scale <= 0):
-        raise ValueError(f"attention: scale must be a positive finite number, got {scale!r}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"attention: scale must be a Python float, got "
+                            f"{type(scale).__name__} {scale!r}")
+        if not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"attention: scale must be a positive finite number, got {scale!r}")
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"attention: dropout_p must be in [0, 1), got {dropout_p!r}")
     if backend not in (*BACKENDS, "auto"):
         raise ValueError(f"attention: backend must be one of {('auto', *BACKENDS)}, "
                          f"got {backend!r}")
+
+
+def _clear_padding(k: Tensor, v: Tensor, mask: Mask | None) -> tuple[Tensor, Tensor]:
+    """Zero the keys/values past each sequence's end (``Padding``), so that whatever that
+    memory holds (NaN, inf) cannot reach the result: 0 · NaN is NaN in a matmul."""
+    parts = mask.parts if isinstance(mask, And) else (mask,)
+    pads = [p for p in parts if isinstance(p, Padding)]
+    if not pads:
+        return k, v
+    keep = pads[0].block(0, 1, 0, k.shape[2], 1, k.shape[2], k.device)  # (B|1, 1, 1, S)
+    for p in pads[1:]:
+        keep = keep & p.block(0, 1, 0, k.shape[2], 1, k.shape[2], k.device)
+    keep = keep[:, :, 0, :, None]  # (B|1, 1, S, 1)
+    return k.masked_fill(~keep, 0.0), v.masked_fill(~keep, 0.0)
 
 
 def _refusal(name: str, q, k, v, mask, bias) -> str | None:
@@ -141,6 +158,7 @@ def attention(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     scale = float(scale)
+    k, v = _clear_padding(k, v, mask)
 
     candidates = (backend,)
     if backend == "auto":
@@ -177,9 +195,14 @@ def attention(
 
 def explain(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, causal: bool = False
             ) -> dict[str, str | None]:
-    """For each backend, why it would refuse this request (None: it can serve)."""
+    """For each backend, why it would refuse this request (None: it can serve).
+
+    Arguments as for ``attention``; invalid requests raise as ``attention`` would."""
+    _validate(q, k, v, bias, None, 0.0, "auto")
     mask = as_mask(mask)
     if causal:
         mask = Causal() if mask is None else Causal() & mask
+    if mask is not None:
+        mask.validate(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     return {name: _refusal(name, q, k, v, mask, bias) for name in BACKENDS}
 

@@ -140,6 +140,11 @@ def chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None = No
     explicit tiles of that size (no fused fast path); by default structured bias producers
     take the fused path when the mask allows.
     """
+    for name, size in (("block_q", block_q), ("block_k", block_k)):
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int)
+                                 or size < 1):
+            raise ValueError(f"chunked_attention: {name} must be a positive int or None, "
+                             f"got {size!r}")
     heads = q.shape[1]
     k, v = expand_kv(k, heads), expand_kv(v, heads)  # (B, H, S, D)
     plan = _Plan(q, k, mask, bias, scale, dropout_p, block_q, block_k)

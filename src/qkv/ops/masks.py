@@ -174,7 +174,7 @@ class Padding(Mask):
                 f"Padding: keep has {self.keep.shape[1]} keys (shape {tuple(self.keep.shape)}), "
                 f"attention has S={s}"
             )
-        if self.lengths is not None and int(self.lengths.max()) > s:
+        if self.lengths is not None and self.lengths.numel() and int(self.lengths.max()) > s:
             raise ValueError(
                 f"Padding: a length ({int(self.lengths.max())}) exceeds the key length S={s}"
             )

@@ -36,6 +36,17 @@ def sdpa_refusal(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, bias) -> st
     return None
 
 
+def _bias_in(bias: Tensor, dtype: torch.dtype) -> Tensor:
+    """Cast a bias to SDPA's dtype without creating infinities: finite values are clamped to
+    the dtype's range (an fp32 ``finfo.min`` stays a very negative finite logit, as in the
+    fp32 math of the other backends); -inf stays -inf."""
+    if bias.dtype == dtype:
+        return bias
+    info = torch.finfo(dtype)
+    clamped = bias.clamp(info.min, info.max)
+    return torch.where(bias == float("-inf"), bias, clamped).to(dtype)
+
+
 def _is_plain_causal(causal: Causal | None, n: int, s: int) -> bool:
     return causal is not None and (n == s or causal.alignment == "top_left")
 
@@ -63,11 +74,16 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None,
     attn_mask = keep
     if isinstance(bias, BiasProducer):
         bias = bias.dense(n, s, q=None, scale=scale, device=q.device)
+    # A full-precision bias with half inputs runs in fp32, as in the other backends, rather
+    # than being rounded into the half dtype.
+    work = q.dtype
+    if bias is not None and q.dtype.itemsize == 2 and bias.dtype.itemsize > 2:
+        work = torch.float32
     if bias is not None:
-        attn_mask = bias.to(q.dtype)
+        attn_mask = _bias_in(bias, work)
         if keep is not None:
             attn_mask = torch.where(keep, attn_mask, float("-inf"))
-    gqa = k.shape[1] != q.shape[1]
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-        enable_gqa=gqa)
+    out = F.scaled_dot_product_attention(
+        q.to(work), k.to(work), v.to(work), attn_mask=attn_mask, dropout_p=dropout_p,
+        is_causal=is_causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return out.to(q.dtype)
