@@ -1,16 +1,18 @@
 """qkv.attention vs torch SDPA: plain causal, and relative-position causal attention.
 
-Usage: python -m benchmarks.bench_attention [--quick] [--n 16384] [--repeat 3]
+Usage: python -m benchmarks.bench_attention [--quick] [--n 16384] [--rounds 3] [--no-train]
 
 Shapes B=1, H=8, N=S=16384, D=64, fp32, CPU. Every case runs in its own subprocess so that
 its peak memory (growth of the resident-set high-water mark during the call, inputs already
-allocated) is its own. Ratios are against plain causal torch SDPA measured in the same run.
+allocated) is its own. The cases run in turn, ``--rounds`` times (a shared machine drifts);
+each figure is the median over rounds, and ratios are against plain causal torch SDPA.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 
 import torch
@@ -64,13 +66,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat")
     parser.add_argument("--n", type=int, default=16384)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="times each case is run")
+    parser.add_argument("--repeat", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--no-train", action="store_true", help="skip forward+backward")
     parser.add_argument("--measure", help=argparse.SUPPRESS)
     parser.add_argument("--train", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
-        args.n, args.repeat = 256, 1
+        args.n, args.rounds = 256, 1
     if args.measure:
         print(json.dumps(measure(args.measure, args.n, args.repeat, args.train)))
         return
@@ -81,15 +84,17 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_train:
         modes.append(("forward + backward", True))
     for title, train in modes:
-        results = {}
-        for case in CASES:
-            extra = ["--n", str(args.n), "--repeat", str(args.repeat)]
-            results[case] = peak_growth_in_subprocess(
-                "benchmarks.bench_attention", case, *extra, *(["--train"] if train else []))
-        base = results["sdpa causal (torch)"]["seconds"]
-        rows = [[case, CASES[case], f"{r['seconds']:.3f}", f"{r['seconds'] / base:.2f}×",
-                 f"{r['peak_mib']:.0f}"] for case, r in results.items()]
-        print_table(f"{title}, N={args.n}",
+        runs: dict[str, list[dict]] = {case: [] for case in CASES}
+        for _ in range(args.rounds):
+            for case in CASES:
+                extra = ["--n", str(args.n), "--repeat", "1"]
+                runs[case].append(peak_growth_in_subprocess(
+                    "benchmarks.bench_attention", case, *extra, *(["--train"] if train else [])))
+        secs = {c: statistics.median(r["seconds"] for r in rs) for c, rs in runs.items()}
+        base = secs["sdpa causal (torch)"]
+        rows = [[case, CASES[case], f"{secs[case]:.3f}", f"{secs[case] / base:.2f}×",
+                 f"{max(r['peak_mib'] for r in runs[case]):.0f}"] for case in CASES]
+        print_table(f"{title}, N={args.n}, median of {args.rounds} rounds",
                     ["case", "call", "seconds", "vs causal SDPA", "peak MiB"], rows)
 
 

@@ -115,6 +115,10 @@ class Causal(Mask):
         """Key index minus query index on the mask's diagonal."""
         return s - n if self.alignment == "bottom_right" else 0
 
+    def allows_all(self, n: int, s: int) -> bool:
+        """True when every query sees every key (e.g. one decode step, bottom-right)."""
+        return s - 1 <= self.offset(n, s)
+
     def key_range(self, i0, i1, n, s):
         return 0, max(0, min(s, i1 + self.offset(n, s)))
 

@@ -60,7 +60,7 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None,
     """
     n, s = q.shape[2], k.shape[2]
     causal, rest = split_causal(mask)
-    if causal is not None and causal.block(0, n, 0, s, n, s, q.device) is True:
+    if causal is not None and causal.allows_all(n, s):
         causal = None  # e.g. a decode step (N=1, bottom-right): every key is visible
         mask = rest
     is_causal = _is_plain_causal(causal, n, s) and bias is None
