@@ -1,0 +1,516 @@
+"""``BERT``: the encoder-only Transformer of Devlin et al. 2018, and loading HuggingFace
+BERT-family checkpoints (BERT, MiniLM-style sentence encoders).
+
+Shapes: B batch, N sequence length (≤ ``max_len``), C model width (``dim``), H heads,
+V vocabulary size, F feed-forward hidden width. Inputs are batch-first (B, N) token ids;
+hidden states are (B, N, C); attention weights (B, H, N, N).
+
+Architecture (post-norm, as the paper and every BERT checkpoint)::
+
+    x = LayerNorm(word[ids] + token_type[tt] + position[pos])      # eps 1e-12, then dropout
+    x = EncoderLayer(x) × num_layers                                # x = norm(x + sublayer(x))
+    pooler_output = tanh(Linear(x[:, 0]))                           # optional, (B, C)
+    mlm_logits = LayerNorm(gelu(Linear(x))) @ wordᵀ + bias          # optional, tied, (B, N, V)
+
+Key padding follows the qkv convention (True = may attend): ``attention_mask`` (B, N) with
+1 at real tokens becomes ``qkv.masks.Padding(keep=attention_mask.bool())``; a mask without
+any padding is dropped, so the attention kernel runs unmasked.
+
+Loading HuggingFace checkpoints: ``BERT.from_hf(dir)`` (or ``BERT.from_pretrained(dir)``)
+reads config.json (model_type "bert") and model.safetensors, fuses each layer's
+query/key/value projections into one ``in_proj`` (rows q, k, v) and maps every other
+weight by name. A pickle (pytorch_model.bin) is refused unless ``allow_pickle=True``, and
+then read with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..modules.attention import MultiHeadAttention
+from ..modules.feedforward import ACTIVATIONS, FeedForward
+from ..modules.layers import EncoderLayer
+from ..modules.norms import LayerNorm
+from ..modules.positions import Learned
+from ..ops.masks import Padding
+from .hub import (
+    CONFIG_NAME,
+    CheckpointError,
+    ModelConfig,
+    PretrainedMixin,
+    check_and_load,
+    load_state_dict_file,
+    read_json,
+)
+
+__all__ = ["BERT", "BERTConfig", "BERTOutput", "load_tokenizer", "mean_pool"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BERTConfig(ModelConfig):
+    """BERT hyper-parameters (defaults: BERT-base). Presets: ``BERTConfig.from_name(name)``
+    with name "bert-base" (C=768, 12 layers, 12 heads), "bert-large", "minilm-l6" (the shape
+    of sentence-transformers' all-MiniLM-L6-v2: C=384, 6 layers, 12 heads, F=1536) and
+    "bert-tiny" (C=128, 2 layers, 2 heads; for tests).
+
+    Fields:
+        vocab_size: V. max_len: positions with an embedding (N ≤ max_len).
+        type_vocab_size: number of token types (segments). dim: C. num_layers, num_heads: H.
+        ffn_hidden: F. activation: FFN activation, a key of ``qkv.modules.feedforward
+        .ACTIVATIONS`` ("gelu" is the exact erf GELU of BERT). norm_eps: LayerNorm eps.
+        dropout: embedding/residual dropout. attn_dropout: dropout on attention weights.
+        pad_token_id: the padding token (its embedding gets no gradient).
+        with_pooler: build the pooler (dense + tanh on [CLS]).
+        with_mlm_head: build the masked-LM head (tied to the word embeddings).
+    """
+
+    vocab_size: int = 30522
+    max_len: int = 512
+    type_vocab_size: int = 2
+    dim: int = 768
+    num_layers: int = 12
+    num_heads: int = 12
+    ffn_hidden: int = 3072
+    activation: str = "gelu"
+    norm_eps: float = 1e-12
+    dropout: float = 0.1
+    attn_dropout: float = 0.1
+    pad_token_id: int = 0
+    with_pooler: bool = True
+    with_mlm_head: bool = True
+
+    MODEL_TYPE: ClassVar[str] = "qkv-bert"
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
+        "bert-base": {},
+        "bert-large": {"dim": 1024, "num_layers": 24, "num_heads": 16, "ffn_hidden": 4096},
+        "minilm-l6": {"dim": 384, "num_layers": 6, "num_heads": 12, "ffn_hidden": 1536},
+        "bert-tiny": {"dim": 128, "num_layers": 2, "num_heads": 2, "ffn_hidden": 512},
+    }
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "max_len", "type_vocab_size", "dim", "num_layers",
+                     "num_heads", "ffn_hidden"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
+                raise ValueError(f"BERTConfig: {name} must be a positive int, got {val!r}")
+        if self.dim % self.num_heads:
+            raise ValueError(f"BERTConfig: dim={self.dim} is not divisible by "
+                             f"num_heads={self.num_heads}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"BERTConfig: activation must be one of {sorted(ACTIVATIONS)}, "
+                             f"got {self.activation!r}")
+        for name in ("dropout", "attn_dropout"):
+            val = getattr(self, name)
+            if not isinstance(val, (int, float)) or not 0.0 <= val < 1.0:
+                raise ValueError(f"BERTConfig: {name} must be in [0, 1), got {val!r}")
+        if not isinstance(self.norm_eps, (int, float)) or self.norm_eps <= 0:
+            raise ValueError(f"BERTConfig: norm_eps must be > 0, got {self.norm_eps!r}")
+        if not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(f"BERTConfig: pad_token_id={self.pad_token_id} is outside "
+                             f"[0, vocab_size={self.vocab_size})")
+
+
+@dataclasses.dataclass
+class BERTOutput:
+    """What ``BERT.forward`` returns.
+
+    Attributes:
+        last_hidden_state: (B, N, C), the last layer's output.
+        pooler_output: (B, C), tanh(Linear(hidden[:, 0])) — None without a pooler.
+        attentions: with ``output_attentions=True``, one (B, H, N, N) tensor of attention
+            weights per layer (rows sum to 1 over the real keys); else None.
+    """
+
+    last_hidden_state: Tensor
+    pooler_output: Tensor | None = None
+    attentions: tuple[Tensor, ...] | None = None
+
+
+class MLMHead(nn.Module):
+    """BERT's masked-LM transform: Linear(C -> C), activation, LayerNorm; then the decoder,
+    tied to the word embeddings, plus a bias (V,). (B, N, C) -> (B, N, V)."""
+
+    def __init__(self, dim: int, vocab_size: int, *, activation: str, eps: float) -> None:
+        super().__init__()
+        self.activation = activation
+        self.dense = nn.Linear(dim, dim)
+        self.norm = LayerNorm(dim, eps=eps)
+        self.bias = nn.Parameter(torch.zeros(vocab_size))
+
+    def forward(self, hidden: Tensor, word_weight: Tensor) -> Tensor:
+        """hidden (B, N, C), word_weight (V, C) -> logits (B, N, V)."""
+        h = self.norm(ACTIVATIONS[self.activation](self.dense(hidden)))  # (B, N, C)
+        return F.linear(h, word_weight, self.bias)  # (B, N, V)
+
+
+class BERT(PretrainedMixin, nn.Module):
+    """BERT encoder (post-norm ``EncoderLayer`` stack) with optional pooler and MLM head.
+
+    Example::
+
+        model = BERT(BERTConfig.from_name("bert-tiny")).eval()
+        out = model(ids, attention_mask)                 # ids, mask (B, N)
+        out.last_hidden_state                            # (B, N, C)
+        emb = mean_pool(out.last_hidden_state, attention_mask)   # (B, C) sentence embedding
+        logits = model.mlm_logits(out.last_hidden_state) # (B, N, V)
+
+        model = BERT.from_pretrained("path/to/hf-bert")  # a local HF checkpoint directory
+
+    Attributes:
+        word_embeddings (V, C), position (``qkv.positions.Learned``, (max_len, C)),
+        token_type_embeddings (type_vocab_size, C), embed_norm, layers (``EncoderLayer``s),
+        pooler (Linear C -> C or None), mlm (``MLMHead`` or None).
+    """
+
+    config_class: ClassVar[type[ModelConfig]] = BERTConfig
+
+    def __init__(self, config: BERTConfig) -> None:
+        super().__init__()
+        if not isinstance(config, BERTConfig):
+            raise TypeError(f"BERT: config must be a BERTConfig, got {type(config).__name__}")
+        self.config = config
+        c = config
+        self.word_embeddings = nn.Embedding(c.vocab_size, c.dim, padding_idx=c.pad_token_id)
+        self.position = Learned(c.max_len, c.dim)
+        self.token_type_embeddings = nn.Embedding(c.type_vocab_size, c.dim)
+        self.embed_norm = LayerNorm(c.dim, eps=c.norm_eps)
+        self.embed_dropout = nn.Dropout(c.dropout)
+        # EncoderLayer.build's FeedForward would add dropout after the activation, which
+        # BERT does not have: the parts are built here (dropout only on the residuals).
+        self.layers = nn.ModuleList(
+            EncoderLayer(
+                MultiHeadAttention(c.dim, c.num_heads, dropout=c.attn_dropout),
+                FeedForward(c.dim, c.ffn_hidden, activation=c.activation),
+                LayerNorm(c.dim, eps=c.norm_eps), LayerNorm(c.dim, eps=c.norm_eps),
+                norm_first=False, dropout=c.dropout)
+            for _ in range(c.num_layers))
+        self.pooler = nn.Linear(c.dim, c.dim) if c.with_pooler else None
+        self.mlm = (MLMHead(c.dim, c.vocab_size, activation=c.activation, eps=c.norm_eps)
+                    if c.with_mlm_head else None)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """BERT's initialisation: Linear and embedding weights N(0, std²) (the padding row
+        zero), biases zero, LayerNorm weight 1 and bias 0."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, (nn.Embedding, Learned)):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+        with torch.no_grad():
+            self.word_embeddings.weight[self.config.pad_token_id].zero_()
+        if self.mlm is not None:
+            nn.init.zeros_(self.mlm.bias)
+
+    # --- input checks -------------------------------------------------------------------
+    def _check_ids(self, name: str, t: Any, shape: tuple[int, ...] | None, limit: int,
+                   what: str) -> Tensor:
+        if not isinstance(t, Tensor) or t.dtype.is_floating_point or t.dtype.is_complex \
+                or t.dtype == torch.bool:
+            got = t.dtype if isinstance(t, Tensor) else type(t).__name__
+            raise TypeError(f"BERT: {name} must be an integer tensor, got {got}")
+        if t.dim() != 2 or (shape is not None and tuple(t.shape) != shape):
+            want = "(B, N)" if shape is None else f"(B, N) = {shape}"
+            raise ValueError(f"BERT: {name} must have shape {want}, got {tuple(t.shape)}")
+        if t.numel():
+            lo, hi = torch.aminmax(t)
+            lo, hi = int(lo), int(hi)
+            if lo < 0 or hi >= limit:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"BERT: {name} holds {bad}, outside [0, {limit}) ({what})")
+        return t
+
+    # --- forward ------------------------------------------------------------------------
+    def embed(self, input_ids: Tensor, token_type_ids: Tensor | None = None,
+              position_ids: Tensor | None = None) -> Tensor:
+        """Embeddings (B, N, C): LayerNorm(word + token type + position), then dropout.
+        Inputs are assumed valid (``forward`` checks them)."""
+        x = self.word_embeddings(input_ids)  # (B, N, C)
+        if token_type_ids is None:
+            x = x + self.token_type_embeddings.weight[0]
+        else:
+            x = x + self.token_type_embeddings(token_type_ids)
+        x = self.position(x, position_ids)  # (B, N, C)
+        return self.embed_dropout(self.embed_norm(x))
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                token_type_ids: Tensor | None = None, *, position_ids: Tensor | None = None,
+                output_attentions: bool = False) -> BERTOutput:
+        """Encode token ids.
+
+        Args:
+            input_ids: (B, N) integers in [0, V); N ≤ max_len.
+            attention_mask: (B, N), 1/True at real tokens, 0/False at padding (default all
+                real). Padded keys are never attended; a padded query's output is whatever
+                its row computes (ignore it, or use ``mean_pool``).
+            token_type_ids: (B, N) integers in [0, type_vocab_size) (default all 0).
+            position_ids: (N,) or (B, N) integers in [0, max_len) (default arange(N)).
+            output_attentions: also return each layer's weights (B, H, N, N) (computed by
+                the reference math, slower).
+
+        Returns:
+            ``BERTOutput`` with ``last_hidden_state`` (B, N, C), ``pooler_output`` (B, C)
+            when the model has a pooler, ``attentions`` (per layer (B, H, N, N)) on request.
+
+        Raises:
+            TypeError / ValueError naming the offending input: ids out of range, a sequence
+            longer than ``max_len``, mismatched shapes.
+        """
+        c = self.config
+        ids = self._check_ids("input_ids", input_ids, None, c.vocab_size,
+                              f"vocab_size={c.vocab_size}")
+        b, n = ids.shape
+        if n > c.max_len:
+            raise ValueError(f"BERT: sequence length N={n} exceeds max_len={c.max_len} "
+                             f"(input_ids shape {tuple(ids.shape)})")
+        if n == 0:
+            raise ValueError(f"BERT: input_ids is empty, shape {tuple(ids.shape)}")
+        if token_type_ids is not None:
+            self._check_ids("token_type_ids", token_type_ids, (b, n), c.type_vocab_size,
+                            f"type_vocab_size={c.type_vocab_size}")
+        mask = None
+        if attention_mask is not None:
+            if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (b, n):
+                got = (tuple(attention_mask.shape) if isinstance(attention_mask, Tensor)
+                       else type(attention_mask).__name__)
+                raise ValueError(f"BERT: attention_mask must have shape (B, N) = {(b, n)} "
+                                 f"(1 = real token), got {got}")
+            keep = attention_mask.to(device=ids.device, dtype=torch.bool)  # (B, N)
+            if not bool(keep.all()):  # no padding: run the kernel unmasked
+                mask = Padding(keep=keep)
+        x = self.embed(ids, token_type_ids, position_ids)  # (B, N, C)
+        attentions = []
+        for layer in self.layers:
+            if output_attentions:
+                x, w = layer(x, mask=mask, need_weights=True)  # w: (B, H, N, N)
+                attentions.append(w)
+            else:
+                x = layer(x, mask=mask)  # (B, N, C)
+        pooled = None if self.pooler is None else torch.tanh(self.pooler(x[:, 0]))  # (B, C)
+        return BERTOutput(x, pooled, tuple(attentions) if output_attentions else None)
+
+    def mlm_logits(self, hidden: Tensor) -> Tensor:
+        """Masked-LM logits (B, N, V) of hidden states (B, N, C) (``last_hidden_state``)."""
+        if self.mlm is None:
+            raise ValueError("BERT: this model has no masked-LM head (config.with_mlm_head "
+                             "is False, or the checkpoint held none)")
+        return self.mlm(hidden, self.word_embeddings.weight)
+
+    def masked_lm(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                  token_type_ids: Tensor | None = None, *,
+                  labels: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """``forward`` then ``mlm_logits``: logits (B, N, V). With ``labels`` (B, N) (-100 =
+        not predicted) returns ``(loss, logits)``, loss the mean cross-entropy."""
+        logits = self.mlm_logits(self(input_ids, attention_mask, token_type_ids)
+                                 .last_hidden_state)  # (B, N, V)
+        if labels is None:
+            return logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                               labels.reshape(-1), ignore_index=-100)
+        return loss, logits
+
+    # --- HuggingFace checkpoints --------------------------------------------------------
+    def hf_key_map(self) -> dict[str, str | tuple[str, str, str]]:
+        """Each state-dict key of this model -> its HuggingFace ``BertModel`` /
+        ``BertForMaskedLM`` key (without the "bert." prefix); fused projections map to the
+        (query, key, value) triple."""
+        m: dict[str, str | tuple[str, str, str]] = {
+            "word_embeddings.weight": "embeddings.word_embeddings.weight",
+            "position.weight": "embeddings.position_embeddings.weight",
+            "token_type_embeddings.weight": "embeddings.token_type_embeddings.weight",
+            "embed_norm.weight": "embeddings.LayerNorm.weight",
+            "embed_norm.bias": "embeddings.LayerNorm.bias",
+        }
+        for i in range(len(self.layers)):
+            q, h = f"layers.{i}.", f"encoder.layer.{i}."
+            for p in ("weight", "bias"):
+                m[f"{q}attn.in_proj.{p}"] = tuple(
+                    f"{h}attention.self.{n}.{p}" for n in ("query", "key", "value"))
+                m[f"{q}attn.out_proj.{p}"] = f"{h}attention.output.dense.{p}"
+                m[f"{q}norm1.{p}"] = f"{h}attention.output.LayerNorm.{p}"
+                m[f"{q}ffn.fc_in.{p}"] = f"{h}intermediate.dense.{p}"
+                m[f"{q}ffn.fc_out.{p}"] = f"{h}output.dense.{p}"
+                m[f"{q}norm2.{p}"] = f"{h}output.LayerNorm.{p}"
+        for p in ("weight", "bias"):
+            if self.pooler is not None:
+                m[f"pooler.{p}"] = f"pooler.dense.{p}"
+            if self.mlm is not None:
+                m[f"mlm.dense.{p}"] = f"cls.predictions.transform.dense.{p}"
+                m[f"mlm.norm.{p}"] = f"cls.predictions.transform.LayerNorm.{p}"
+        if self.mlm is not None:
+            m["mlm.bias"] = "cls.predictions.bias"
+        return m
+
+    @classmethod
+    def from_hf(cls, directory: str | os.PathLike, *, allow_pickle: bool = False) -> BERT:
+        """A ``BERT`` with the weights of a local HuggingFace BERT checkpoint directory.
+
+        Reads config.json (model_type "bert": hidden_size, num_hidden_layers,
+        num_attention_heads, intermediate_size, hidden_act, max_position_embeddings,
+        type_vocab_size, layer_norm_eps, vocab_size, pad_token_id, dropouts) and
+        model.safetensors (``BertModel`` or ``BertForMaskedLM``/``BertForPreTraining`` keys,
+        with or without the "bert." prefix). The pooler and MLM head are built only when
+        the checkpoint holds them. Dropped without complaint: ``embeddings.position_ids``,
+        the next-sentence head ``cls.seq_relationship.*`` (not modelled) and a decoder
+        weight/bias equal to the tied word embeddings / ``cls.predictions.bias``. Old
+        ``LayerNorm.gamma/beta`` names are read as weight/bias.
+
+        Raises:
+            CheckpointError naming missing, unknown or mis-shaped HuggingFace keys, an
+            unsupported config (relative position embeddings, an untied MLM decoder), or a
+            pickle-only directory without ``allow_pickle=True``.
+        """
+        directory = Path(directory)
+        hf = read_json(directory / CONFIG_NAME)
+        source = str(directory)
+        state = load_state_dict_file(directory, allow_pickle=allow_pickle)
+        state = _normalise_hf_state(state, source)
+        config = _config_from_hf(hf, source, with_pooler="pooler.dense.weight" in state,
+                                 with_mlm_head=any(k.startswith("cls.predictions.")
+                                                   for k in state))
+        model = cls(config)
+        check_and_load(model, _map_hf_state(model, state, source), source)
+        return model
+
+
+# --- HuggingFace conversion helpers ------------------------------------------------------
+_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+                   "relu": "relu", "silu": "silu", "swish": "silu"}
+
+
+def _config_from_hf(hf: dict, source: str, *, with_pooler: bool,
+                    with_mlm_head: bool) -> BERTConfig:
+    if hf.get("model_type") != "bert":
+        raise CheckpointError(f"{source}: config.json model_type {hf.get('model_type')!r}; "
+                              f"BERT.from_hf reads 'bert' checkpoints")
+    pos = hf.get("position_embedding_type", "absolute")
+    if pos != "absolute":
+        raise CheckpointError(f"{source}: position_embedding_type={pos!r} is not supported "
+                              f"(only 'absolute')")
+    act = hf.get("hidden_act", "gelu")
+    if act not in _HF_ACTIVATIONS:
+        raise CheckpointError(f"{source}: hidden_act={act!r} is not supported; known: "
+                              f"{sorted(_HF_ACTIVATIONS)}")
+    try:
+        return BERTConfig(
+            vocab_size=hf["vocab_size"], max_len=hf["max_position_embeddings"],
+            type_vocab_size=hf.get("type_vocab_size", 2), dim=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+            ffn_hidden=hf["intermediate_size"], activation=_HF_ACTIVATIONS[act],
+            norm_eps=hf.get("layer_norm_eps", 1e-12),
+            dropout=hf.get("hidden_dropout_prob", 0.1),
+            attn_dropout=hf.get("attention_probs_dropout_prob", 0.1),
+            pad_token_id=hf.get("pad_token_id") or 0,
+            with_pooler=with_pooler, with_mlm_head=with_mlm_head)
+    except KeyError as err:
+        raise CheckpointError(f"{source}: config.json lacks {err.args[0]!r}") from err
+    except ValueError as err:
+        raise CheckpointError(f"{source}: config.json is not a valid BERT config: {err}") \
+            from err
+
+
+def _normalise_hf_state(state: dict[str, Tensor], source: str) -> dict[str, Tensor]:
+    """Strip "bert.", rename gamma/beta, drop the keys we knowingly ignore."""
+    out: dict[str, Tensor] = {}
+    for key, t in state.items():
+        k = key.removeprefix("bert.")
+        if k.endswith(".gamma"):
+            k = k[:-len("gamma")] + "weight"
+        elif k.endswith(".beta"):
+            k = k[:-len("beta")] + "bias"
+        if k in out:
+            raise CheckpointError(f"{source}: key {key!r} appears twice (with and without "
+                                  f"the 'bert.' prefix, or as gamma/beta and weight/bias)")
+        out[k] = t
+    out.pop("embeddings.position_ids", None)
+    for k in [k for k in out if k.startswith("cls.seq_relationship.")]:
+        del out[k]  # next-sentence prediction head: not part of this model
+    dec_w = out.pop("cls.predictions.decoder.weight", None)
+    if dec_w is not None:
+        word = out.get("embeddings.word_embeddings.weight")
+        if word is None or word.shape != dec_w.shape or not torch.equal(word, dec_w):
+            raise CheckpointError(f"{source}: cls.predictions.decoder.weight differs from the "
+                                  f"word embeddings; only a tied MLM decoder is supported")
+    dec_b = out.pop("cls.predictions.decoder.bias", None)
+    if dec_b is not None:
+        bias = out.setdefault("cls.predictions.bias", dec_b)
+        if bias.shape != dec_b.shape or not torch.equal(bias, dec_b):
+            raise CheckpointError(f"{source}: cls.predictions.decoder.bias differs from "
+                                  f"cls.predictions.bias")
+    return out
+
+
+def _map_hf_state(model: BERT, state: dict[str, Tensor], source: str) -> dict[str, Tensor]:
+    """HF keys -> this model's keys, fusing q/k/v; errors in HF names."""
+    own = model.state_dict()
+    mapped: dict[str, Tensor] = {}
+    used: set[str] = set()
+    missing: list[str] = []
+    shapes: list[str] = []
+    for key, hf in model.hf_key_map().items():
+        names = hf if isinstance(hf, tuple) else (hf,)
+        want = own[key].shape
+        part = (want[0] // len(names), *want[1:])  # q/k/v each (C, ...) of (3C, ...)
+        absent = [n for n in names if n not in state]
+        missing.extend(absent)
+        bad = [f"{n}: checkpoint {tuple(state[n].shape)} vs expected {tuple(part)}"
+               for n in names if n in state and state[n].shape != part]
+        shapes.extend(bad)
+        used.update(n for n in names if n in state)
+        if not absent and not bad:
+            parts = [state[n] for n in names]
+            mapped[key] = parts[0] if len(parts) == 1 else torch.cat(parts)  # rows q, k, v
+    unknown = sorted(set(state) - used)
+    if missing or unknown or shapes:
+        msg = []
+        if missing:
+            msg.append(f"missing keys {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+        if unknown:
+            msg.append(f"unknown keys {unknown[:10]}{' ...' if len(unknown) > 10 else ''}")
+        if shapes:
+            msg.append("shape mismatches " + "; ".join(shapes[:10]))
+        raise CheckpointError(f"{source}: HuggingFace BERT checkpoint does not match its "
+                              f"config: " + "; ".join(msg))
+    return mapped
+
+
+# --- sentence embeddings and tokenizer ---------------------------------------------------
+def mean_pool(hidden: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    """Sentence embeddings (B, C): the mean of ``hidden`` (B, N, C) over real tokens
+    (``attention_mask`` (B, N), 1 = real; default all real) — sentence-transformers'
+    mean pooling (all-MiniLM-L6-v2 then L2-normalises: ``F.normalize(emb, dim=-1)``).
+    A row without real tokens gives zeros."""
+    if hidden.dim() != 3:
+        raise ValueError(f"mean_pool: hidden must be (B, N, C), got {tuple(hidden.shape)}")
+    if attention_mask is None:
+        return hidden.mean(dim=1)
+    if tuple(attention_mask.shape) != tuple(hidden.shape[:2]):
+        raise ValueError(f"mean_pool: attention_mask must be (B, N) = "
+                         f"{tuple(hidden.shape[:2])}, got {tuple(attention_mask.shape)}")
+    w = attention_mask.to(hidden.dtype).unsqueeze(-1)  # (B, N, 1)
+    return (hidden * w).sum(dim=1) / w.sum(dim=1).clamp_min(1e-9)  # (B, C)
+
+
+def load_tokenizer(directory: str | os.PathLike):
+    """The ``tokenizers.Tokenizer`` of ``directory/tokenizer.json``, or None if absent.
+
+    ``enc = tok.encode_batch(texts)``; ids (B, N) from ``[e.ids for e in enc]`` after
+    ``tok.enable_padding()``; the attention mask from ``e.attention_mask``."""
+    path = Path(directory) / "tokenizer.json"
+    if not path.exists():
+        return None
+    from tokenizers import Tokenizer  # optional dependency, needed only here
+
+    return Tokenizer.from_file(str(path))
