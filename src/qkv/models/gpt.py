@@ -1,0 +1,452 @@
+"""``GPT``: a decoder-only (causal) language model on qkv's layers; loads HF GPT-2 checkpoints.
+
+Shapes: B batch, N length of the input ids, S key length (cached + new tokens), V vocab size,
+C model width (``dim``), H heads, D head dim (C // H), L layers.
+
+The model is a token embedding, learned absolute positions (``qkv.positions.Learned``, GPT-2)
+or rotary positions (``qkv.positions.RoPE``, handed to every layer's attention), a stack of
+pre-norm ``EncoderLayer``s run causally, a final norm and an LM head tied to the token
+embedding (GPT-2). Left-padded batches take an ``attention_mask`` (1 = real token); positions
+then count from each row's first real token, so a padded row equals the same row run alone.
+Decoding token by token uses ``new_cache``: one ``KVCache`` per layer.
+
+``GPT.from_hf(directory)`` / ``GPT.from_pretrained(directory)`` read a local HuggingFace
+GPT-2 directory (config.json + model.safetensors); the conversion lives in
+``qkv.models.hf_gpt2``. ``load_tokenizer(directory)`` reads its tokenizer.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from ..modules.cache import KVCache
+from ..modules.feedforward import ACTIVATIONS
+from ..modules.layers import EncoderLayer
+from ..modules.norms import LayerNorm, RMSNorm, make_norm
+from ..modules.positions import Learned, RoPE, positions_from_mask
+from ..ops.masks import Padding
+from .hub import ModelConfig, PretrainedMixin
+
+__all__ = ["GPT", "GPTConfig", "GPTOutput", "load_tokenizer"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig(ModelConfig):
+    """Configuration of a ``GPT`` (frozen; ``GPTConfig.from_name("gpt2")`` for a preset).
+
+    Args:
+        vocab_size: V.
+        max_len: the context length (the most positions ``Learned`` embeds; with RoPE only
+            a documented limit, not enforced).
+        dim: C, the model width.
+        num_layers: L.
+        num_heads: H; ``dim % num_heads == 0``.
+        num_kv_heads: key/value heads (grouped-query attention); default H.
+        ffn_hidden: the feed-forward width, default 4·C.
+        activation: "gelu_tanh" (GPT-2's "gelu_new"), "gelu", "relu", "silu" or "swiglu".
+        norm: "layernorm" or "rmsnorm"; ``norm_eps`` its epsilon.
+        positions: "learned" (GPT-2) or "rope".
+        dropout: embedding, residual and FFN dropout; ``attn_dropout`` on attention weights.
+        bias: biases in the linear layers.
+        tie_embeddings: the LM head shares the token embedding's (V, C) weight.
+
+    Presets: "gpt2" (124M), "gpt2-medium" (355M), "gpt-tiny" (tests), "gpt-small-cpu"
+    (6 layers, width 384, the CPU training benchmark).
+    """
+
+    vocab_size: int
+    max_len: int
+    dim: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    activation: str = "gelu_tanh"
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    positions: str = "learned"
+    dropout: float = 0.0
+    attn_dropout: float = 0.0
+    bias: bool = True
+    tie_embeddings: bool = True
+
+    MODEL_TYPE: ClassVar[str] = "qkv-gpt"
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
+        "gpt2": {"vocab_size": 50257, "max_len": 1024, "dim": 768, "num_layers": 12,
+                 "num_heads": 12},
+        "gpt2-medium": {"vocab_size": 50257, "max_len": 1024, "dim": 1024, "num_layers": 24,
+                        "num_heads": 16},
+        "gpt-tiny": {"vocab_size": 256, "max_len": 128, "dim": 128, "num_layers": 2,
+                     "num_heads": 4},
+        "gpt-small-cpu": {"vocab_size": 8192, "max_len": 256, "dim": 384, "num_layers": 6,
+                          "num_heads": 6},
+    }
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "max_len", "dim", "num_layers", "num_heads"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
+                raise ValueError(f"GPTConfig: {name} must be a positive int, got {val!r}")
+        if self.dim % self.num_heads:
+            raise ValueError(f"GPTConfig: dim={self.dim} is not divisible by "
+                             f"num_heads={self.num_heads}")
+        kv = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+        if not isinstance(kv, int) or kv <= 0 or self.num_heads % kv:
+            raise ValueError(f"GPTConfig: num_heads={self.num_heads} must be a multiple of "
+                             f"num_kv_heads={self.num_kv_heads!r}")
+        if self.ffn_hidden is not None and (not isinstance(self.ffn_hidden, int)
+                                            or self.ffn_hidden <= 0):
+            raise ValueError(f"GPTConfig: ffn_hidden must be a positive int or None, "
+                             f"got {self.ffn_hidden!r}")
+        if self.activation not in (*ACTIVATIONS, "swiglu"):
+            raise ValueError(f"GPTConfig: activation must be one of "
+                             f"{sorted((*ACTIVATIONS, 'swiglu'))}, got {self.activation!r}")
+        if self.norm not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"GPTConfig: norm must be 'layernorm' or 'rmsnorm', "
+                             f"got {self.norm!r}")
+        if self.positions not in ("learned", "rope"):
+            raise ValueError(f"GPTConfig: positions must be 'learned' or 'rope', "
+                             f"got {self.positions!r}")
+        if self.positions == "rope" and (self.dim // self.num_heads) % 2:
+            raise ValueError(f"GPTConfig: rope needs an even head dim, got "
+                             f"{self.dim} // {self.num_heads} = {self.dim // self.num_heads}")
+        for name in ("dropout", "attn_dropout"):
+            val = getattr(self, name)
+            if not isinstance(val, (int, float)) or not 0.0 <= val < 1.0:
+                raise ValueError(f"GPTConfig: {name} must be in [0, 1), got {val!r}")
+
+    @property
+    def head_dim(self) -> int:
+        """D = C // H."""
+        return self.dim // self.num_heads
+
+
+class GPTOutput(NamedTuple):
+    """``GPT.forward(..., output_attentions=True)``: logits (B, N, V) and one attention-weight
+    tensor (B, H, N, S) per layer (rows of padding queries are zeros)."""
+
+    logits: Tensor
+    attentions: tuple[Tensor, ...]
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of ``h @ weightᵀ`` against ``targets``, computed over row chunks:
+    each (chunk, V) block of logits lives only inside the loop (its softmax is turned into the
+    gradient in place), so the (M, V) logits are never materialised nor copied. Gradients are
+    computed in the forward pass (the loss is a scalar) and scaled in the backward."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, ignore_index: int,
+                chunk: int) -> Tensor:  # h (M, C), weight (V, C), targets (M,)
+        valid = targets != ignore_index  # (M,)
+        count = valid.sum().clamp_min(1).to(h.dtype)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        total = h.new_zeros(())
+        safe = targets.masked_fill(~valid, 0)
+        for i in range(0, h.shape[0], chunk):
+            hc, tc, vc = h[i:i + chunk], safe[i:i + chunk], valid[i:i + chunk]
+            logits = hc @ weight.t()  # (m, V)
+            lse = torch.logsumexp(logits, dim=-1)  # (m,)
+            picked = logits.gather(1, tc[:, None]).squeeze(1)  # (m,)
+            total = total + ((lse - picked) * vc).sum()
+            if need_h or need_w:
+                p = logits.sub_(lse[:, None]).exp_()  # softmax, in place (m, V)
+                p[torch.arange(p.shape[0], device=p.device), tc] -= 1.0
+                p.mul_((vc.to(p.dtype) / count)[:, None])  # d(mean loss)/d(logits)
+                if need_h:
+                    torch.mm(p, weight, out=grad_h[i:i + chunk])  # (m, C)
+                if need_w:
+                    grad_w.addmm_(p.t(), hc)  # (V, C)
+        ctx.save_for_backward(grad_h if need_h else None, grad_w if need_w else None)
+        return total / count
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        if grad_h is not None:
+            grad_h = grad_h * g
+        if grad_w is not None:
+            grad_w = grad_w * g
+        return grad_h, grad_w, None, None, None
+
+
+class GPT(PretrainedMixin, nn.Module):
+    """Decoder-only Transformer language model (Radford et al. 2019, GPT-2).
+
+    Args:
+        config: a ``GPTConfig``.
+        device, dtype: of the parameters.
+
+    Attributes:
+        embed: token embedding (V, C).
+        positions: ``Learned`` (max_len, C) or None (RoPE: ``rope`` is shared by the layers).
+        layers: L pre-norm ``EncoderLayer``s, run with ``causal=True``.
+        norm: the final norm.
+        lm_head: C -> V, no bias; its weight *is* ``embed.weight`` when ``tie_embeddings``.
+
+    Example::
+
+        model = GPT(GPTConfig.from_name("gpt-tiny"))
+        logits = model(ids)                                   # ids (B, N) -> (B, N, V)
+        loss = model.loss(ids, targets)                       # scalar, targets (B, N)
+        cache = model.new_cache(B, 64)
+        logits = model(prompt, cache=cache)                   # prefill
+        logits = model(next_ids, cache=cache)                 # one step, (B, 1, V)
+    """
+
+    config_class: ClassVar[type[ModelConfig]] = GPTConfig
+    tied_keys: ClassVar[tuple[str, ...]] = ("lm_head.weight",)
+
+    def __init__(self, config: GPTConfig, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"GPT: config must be a GPTConfig, got {type(config).__name__}")
+        self.config = config
+        factory = {"device": device, "dtype": dtype}
+        c = config
+        self.embed = nn.Embedding(c.vocab_size, c.dim, **factory)
+        self.positions = Learned(c.max_len, c.dim, **factory) if c.positions == "learned" \
+            else None
+        self.rope = RoPE(c.head_dim) if c.positions == "rope" else None
+        self.drop = nn.Dropout(c.dropout)
+        self.layers = nn.ModuleList(
+            EncoderLayer.build(c.dim, c.num_heads, ffn_hidden=c.ffn_hidden or 4 * c.dim,
+                               activation=c.activation, norm=c.norm, norm_eps=c.norm_eps,
+                               norm_first=True, dropout=c.dropout, attn_dropout=c.attn_dropout,
+                               bias=c.bias, num_kv_heads=c.num_kv_heads, rope=self.rope,
+                               **factory)
+            for _ in range(c.num_layers))
+        self.norm = make_norm(c.norm, c.dim, eps=c.norm_eps, **factory)
+        self.lm_head = nn.Linear(c.dim, c.vocab_size, bias=False, **factory)
+        if c.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        else:
+            self.tied_keys = ()  # instance attribute: save the head's own weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2's initialisation: N(0, 0.02) for linear and embedding weights, zero biases,
+        residual output projections scaled by 1/sqrt(2L); norms to identity."""
+        std = 0.02
+        for mod in self.modules():
+            if isinstance(mod, nn.Linear):
+                nn.init.normal_(mod.weight, std=std)
+                if mod.bias is not None:
+                    nn.init.zeros_(mod.bias)
+            elif isinstance(mod, (nn.Embedding, Learned)):
+                nn.init.normal_(mod.weight, std=std)
+            elif isinstance(mod, (LayerNorm, RMSNorm)):
+                nn.init.ones_(mod.weight)
+                if getattr(mod, "bias", None) is not None:
+                    nn.init.zeros_(mod.bias)
+        resid_std = std / math.sqrt(2 * self.config.num_layers)
+        for layer in self.layers:
+            nn.init.normal_(layer.attn.out_proj.weight, std=resid_std)
+            nn.init.normal_(layer.ffn.fc_out.weight, std=resid_std)
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    # --- caches -------------------------------------------------------------------------------
+    def new_cache(self, batch: int, capacity: int, *, dtype: torch.dtype | None = None,
+                  device: torch.device | str | None = None) -> list[KVCache]:
+        """Empty KV caches, one per layer, each (B, Hkv, capacity, D); pass the list as
+        ``cache=`` to every decoding call. ``capacity`` counts prompt + generated tokens."""
+        return [layer.attn.new_cache(batch, capacity, dtype=dtype, device=device)
+                for layer in self.layers]
+
+    # --- validation ---------------------------------------------------------------------------
+    def _check_ids(self, input_ids: Any) -> None:
+        if not isinstance(input_ids, Tensor):
+            raise TypeError(f"GPT: input_ids must be a torch.Tensor (B, N) of token ids, got "
+                            f"{type(input_ids).__name__}")
+        if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8,
+                                   torch.int8):
+            raise TypeError(f"GPT: input_ids must be an integer tensor (token ids), got dtype "
+                            f"{input_ids.dtype}")
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"GPT: input_ids must have shape (B, N) with N >= 1, got "
+                             f"{_shape(input_ids)}")
+        if input_ids.numel():
+            lo, hi = torch.aminmax(input_ids)
+            lo, hi = int(lo), int(hi)
+            vocab = self.config.vocab_size
+            if lo < 0 or hi >= vocab:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"GPT: token id {bad} is out of range for vocab_size={vocab} "
+                                 f"(ids must lie in [0, {vocab}))")
+
+    def _check_cache(self, cache: Any, batch: int) -> int:
+        if cache is None:
+            return 0
+        if (not isinstance(cache, (list, tuple)) or len(cache) != len(self.layers)
+                or not all(isinstance(c, KVCache) for c in cache)):
+            raise TypeError(f"GPT: cache must be the list of {len(self.layers)} KVCaches from "
+                            f"new_cache(), got {type(cache).__name__}")
+        past = cache[0].length
+        if any(c.length != past for c in cache) or cache[0].batch != batch:
+            raise ValueError(f"GPT: cache does not fit this call: batch {cache[0].batch} vs "
+                             f"input batch {batch}, lengths {[c.length for c in cache]}")
+        return past
+
+    def _keep(self, attention_mask: Any, batch: int, n: int, past: int) -> Tensor | None:
+        if attention_mask is None:
+            return None
+        total = past + n
+        if (not isinstance(attention_mask, Tensor) or attention_mask.dtype.is_floating_point
+                or attention_mask.dtype.is_complex):
+            got = attention_mask.dtype if isinstance(attention_mask, Tensor) \
+                else type(attention_mask).__name__
+            raise TypeError(f"GPT: attention_mask must be a bool or integer tensor (1 = real "
+                            f"token), got {got}")
+        if _shape(attention_mask) != (batch, total):
+            extra = f" (cached {past} + new {n})" if past else ""
+            raise ValueError(f"GPT: attention_mask must have shape (B, S) = ({batch}, {total})"
+                             f"{extra}, covering every cached and new token; got "
+                             f"{_shape(attention_mask)}")
+        return attention_mask.bool()
+
+    # --- forward ------------------------------------------------------------------------------
+    def hidden_states(self, input_ids: Tensor, *, attention_mask: Tensor | None = None,
+                      position_ids: Tensor | None = None, cache: list[KVCache] | None = None,
+                      output_attentions: bool = False) -> tuple[Tensor, list[Tensor]]:
+        """The final-normed hidden states (B, N, C) and, with ``output_attentions``, the list
+        of per-layer weights (B, H, N, S) (else an empty list). Arguments as ``forward``."""
+        self._check_ids(input_ids)
+        batch, n = input_ids.shape
+        past = self._check_cache(cache, batch)
+        keep = self._keep(attention_mask, batch, n, past)
+        if position_ids is not None:
+            if (not isinstance(position_ids, Tensor) or position_ids.dtype.is_floating_point
+                    or position_ids.dtype == torch.bool
+                    or _shape(position_ids) not in ((n,), (batch, n))):
+                got = (f"shape {_shape(position_ids)} dtype {position_ids.dtype}"
+                       if isinstance(position_ids, Tensor) else type(position_ids).__name__)
+                raise ValueError(f"GPT: position_ids must be an integer tensor of shape (N,) = "
+                                 f"({n},) or (B, N) = ({batch}, {n}), got {got}")
+            pos = position_ids.to(device=input_ids.device, dtype=torch.long)
+        elif keep is not None:
+            pos = positions_from_mask(keep)[:, past:]  # (B, N)
+        else:
+            if self.positions is not None and past + n > self.config.max_len:
+                raise ValueError(f"GPT: {past + n} positions (cached {past} + new {n}) exceed "
+                                 f"max_len={self.config.max_len} of the learned positions")
+            pos = torch.arange(past, past + n, device=input_ids.device)  # (N,)
+        x = self.embed(input_ids)  # (B, N, C)
+        if self.positions is not None:
+            x = self.positions(x, pos)  # (B, N, C); a position >= max_len raises ValueError
+        if self.drop.p and self.training:
+            x = self.drop(x)
+        mask = None if keep is None or bool(keep.all()) else Padding(keep=keep)
+        rope_pos = pos if self.rope is not None else None
+        attentions: list[Tensor] = []
+        for i, layer in enumerate(self.layers):
+            out = layer(x, mask=mask, causal=True, need_weights=output_attentions,
+                        cache=None if cache is None else cache[i], positions=rope_pos)
+            if output_attentions:
+                x, w = out
+                attentions.append(w)
+            else:
+                x = out
+        return self.norm(x), attentions
+
+    def forward(self, input_ids: Tensor, *, attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None, cache: list[KVCache] | None = None,
+                output_attentions: bool = False) -> Tensor | GPTOutput:
+        """Next-token logits.
+
+        Args:
+            input_ids: (B, N) integer token ids in [0, V).
+            attention_mask: (B, S) bool/int, 1 = real token, 0 = padding (left padding for
+                generation); S = N, or cached + N with a cache (it covers every cached token).
+                Without ``position_ids`` the positions are derived from it
+                (``qkv.positions.positions_from_mask``), so a padded row equals the unpadded
+                row run alone.
+            position_ids: (N,) or (B, N) integer positions; default ``arange(N)`` offset by the
+                cache length.
+            cache: the list from ``new_cache``; the new tokens' keys/values are appended.
+                Decode under ``torch.no_grad()`` / ``torch.inference_mode()``.
+            output_attentions: also return each layer's attention weights.
+
+        Returns:
+            logits (B, N, V), or ``GPTOutput(logits, attentions)`` with attentions a tuple of
+            L tensors (B, H, N, S).
+
+        Raises:
+            TypeError for a wrong type/dtype; ValueError for a wrong shape, a token id outside
+            [0, V) (naming it), or more than ``max_len`` positions with learned positions.
+        """
+        h, attentions = self.hidden_states(input_ids, attention_mask=attention_mask,
+                                           position_ids=position_ids, cache=cache,
+                                           output_attentions=output_attentions)
+        logits = self.lm_head(h)  # (B, N, V)
+        return GPTOutput(logits, tuple(attentions)) if output_attentions else logits
+
+    def loss(self, input_ids: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None,
+             position_ids: Tensor | None = None, ignore_index: int = -100,
+             chunk: int = 512) -> Tensor:
+        """Mean next-token cross-entropy, without materialising the (B·N, V) logits.
+
+        Args:
+            input_ids: (B, N) token ids.
+            targets: (B, N) the token each position should predict (usually ``input_ids``
+                shifted left by one); ``ignore_index`` entries are left out of the mean.
+            attention_mask, position_ids: as for ``forward``.
+            chunk: rows of logits computed at a time by the fused LM-head + cross-entropy.
+
+        Returns:
+            a scalar tensor; equals ``F.cross_entropy(forward(ids).flatten(0, 1),
+            targets.flatten())`` up to rounding.
+        """
+        if not isinstance(targets, Tensor) or _shape(targets) != _shape(input_ids) \
+                or targets.dtype.is_floating_point:
+            got = f"{_shape(targets)} {targets.dtype}" if isinstance(targets, Tensor) \
+                else type(targets).__name__
+            raise ValueError(f"GPT.loss: targets must be an integer tensor shaped like "
+                             f"input_ids {_shape(input_ids)}, got {got}")
+        h, _ = self.hidden_states(input_ids, attention_mask=attention_mask,
+                                  position_ids=position_ids)
+        t = targets.reshape(-1).long()
+        ok = (t == ignore_index) | ((t >= 0) & (t < self.config.vocab_size))
+        if not bool(ok.all()):
+            raise ValueError(f"GPT.loss: target {int(t[~ok][0])} is out of range for "
+                             f"vocab_size={self.config.vocab_size}")
+        return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]), self.lm_head.weight, t,
+                                         ignore_index, chunk)
+
+    # --- HuggingFace --------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, directory: str | os.PathLike, *, allow_pickle: bool = False,
+                **kwargs: Any) -> GPT:
+        """A ``GPT`` from a local HuggingFace GPT-2 directory (config.json with model_type
+        "gpt2" and model.safetensors; a pytorch_model.bin only with ``allow_pickle=True``,
+        read with ``torch.load(weights_only=True)``). Returned in eval mode, like
+        transformers. Mismatched keys or shapes raise ``CheckpointError`` and load nothing.
+        ``kwargs`` (device, dtype) go to the constructor."""
+        from .hf_gpt2 import load_hf_gpt2
+
+        return load_hf_gpt2(cls, Path(directory), allow_pickle=allow_pickle, **kwargs)
+
+
+def load_tokenizer(directory: str | os.PathLike) -> Any:
+    """The ``tokenizers.Tokenizer`` saved as ``directory/tokenizer.json`` (HF layout), or None
+    when the directory has none. Encode with ``tok.encode(text).ids`` -> list of ids."""
+    path = Path(directory) / "tokenizer.json"
+    if not path.exists():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
