@@ -19,7 +19,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qkv.models.bert import BERT, BERTConfig, BERTOutput, load_tokenizer, mean_pool
+from qkv.masks import Padding
+from qkv.models.bert import (
+    BERT,
+    BERTConfig,
+    BERTOutput,
+    key_padding_mask,
+    load_tokenizer,
+    mean_pool,
+)
 from qkv.models.hub import CheckpointError
 
 transformers = pytest.importorskip("transformers")
@@ -181,6 +189,29 @@ def test_batch_row_equals_single_run():
             one = model(ids[b:b + 1, :n], None, tt[b:b + 1, :n])  # unpadded, alone
             close(full.last_hidden_state[b, :n], one.last_hidden_state[0], f"row {b}")
             close(full.pooler_output[b], one.pooler_output[0], f"pooler row {b}")
+
+
+def test_key_padding_mask_equals_padding_mask():
+    model = tiny().eval()
+    x = torch.randn(3, 17, 128)  # (B, N, C)
+    _, am, _ = batch_inputs()
+    keep = am.bool()
+    layer = model.layers[0]
+    with torch.no_grad():
+        a = layer(x, mask=Padding(keep=keep))
+        b = layer(x, mask=key_padding_mask(keep))
+    close(b[keep], a[keep], "dense (B, 1, 1, N) mask vs Padding")
+
+
+def test_fully_padded_row_is_finite_and_leaves_other_rows_alone():
+    model = tiny().eval()
+    ids, am, tt = batch_inputs()
+    am[2] = 0
+    with torch.no_grad():
+        out = model(ids, am, tt).last_hidden_state
+        ref = model(ids[:2], am[:2], tt[:2]).last_hidden_state
+    assert torch.isfinite(out).all()
+    close(out[:2][am[:2].bool()], ref[am[:2].bool()], "rows 0-1")
 
 
 def test_two_eval_forwards_identical_and_save_load_round_trip_exact(tmp_path):
