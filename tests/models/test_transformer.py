@@ -337,6 +337,32 @@ def test_save_load_round_trip(tmp_path, shared):
         assert torch.equal(loaded(src, tgt), model(src, tgt))
 
 
+def test_load_refuses_mismatched_checkpoint(tmp_path):
+    """A checkpoint whose tensors do not fit the config gives a clean CheckpointError
+    naming the keys (CHECKLIST 28); nothing is loaded."""
+    from qkv.models.hub import CheckpointError
+
+    tiny(positions="t5").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["positions"] = "sinusoidal"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"unexpected keys.*encoder_bias"):
+        Transformer.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_runs_finite(dtype):
+    """fp16/bf16 parameters: forward and cached decoding are finite and keep the dtype."""
+    model = tiny(positions="alibi").to(dtype)
+    src, tgt = right_pad(tokens(2, 6), [6, 4]), tokens(2, 5)
+    with torch.no_grad():
+        logits = model(src, tgt)
+        steps = cached_logits(model, src, tgt)
+    assert logits.dtype == dtype and torch.isfinite(logits).all()
+    assert steps.dtype == dtype and torch.isfinite(steps).all()
+    assert model.new_cache(2, 4)[0].dtype == dtype
+
+
 # ---------------------------------------------------------------------------- training
 
 
@@ -352,11 +378,19 @@ def test_tiny_model_learns_to_copy():
     eos = torch.full((16, 1), 2)
     tgt_in, tgt_out = torch.cat([bos, src], 1), torch.cat([src, eos], 1)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(200):
-        loss = nn.functional.cross_entropy(model(src, tgt_in).flatten(0, 1), tgt_out.flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    # Tiny ops: one intra-op thread is fastest, and immune to the 20-40x slowdown that a
+    # 2-thread OpenMP pool shows when other processes load the CPUs.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(200):
+            loss = nn.functional.cross_entropy(model(src, tgt_in).flatten(0, 1),
+                                               tgt_out.flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
     model.eval()
     ys, _ = greedy(model, src, 6)
     assert torch.equal(ys[:, 1:], tgt_out), f"loss {loss.item():.3f}"
@@ -426,6 +460,9 @@ def test_bad_inputs_raise_clear_errors():
         model.decode(tokens(1, 60), memory[:1], cache=cache)
         with pytest.raises(ValueError, match="max_len=64"):
             model.decode(tokens(1, 5), memory[:1], cache=cache)
+    with torch.no_grad(), pytest.raises(ValueError, match="capacity"):
+        cache = model.new_cache(2, 3)  # a write past the cache's capacity
+        model.decode(tokens(2, 4), memory, cache=cache)
     with pytest.raises(ValueError, match="forward_embeddings: batch sizes differ"):
         model.forward_embeddings(torch.randn(2, 5, 32), torch.randn(3, 4, 32))
 
