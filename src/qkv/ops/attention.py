@@ -100,6 +100,8 @@ def _clear_padding(k: Tensor, v: Tensor, mask: Mask | None) -> tuple[Tensor, Ten
     for p in pads[1:]:
         keep = keep & p.block(0, 1, 0, k.shape[2], 1, k.shape[2], k.device)
     keep = keep[:, :, 0, :, None]  # (B|1, 1, S, 1)
+    if bool(keep.all()):  # nothing is padded: no copy
+        return k, v
     return k.masked_fill(~keep, 0.0), v.masked_fill(~keep, 0.0)
 
 
