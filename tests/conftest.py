@@ -46,6 +46,16 @@ def dtype_id(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
+# ---------------------------------------------------------------------------- threads
+
+
+def pytest_configure(config) -> None:
+    """Under xdist each worker gets one torch thread: two workers with two spinning OpenMP
+    threads each on two cores made small-op tests 20–40× slower on a loaded machine."""
+    if hasattr(config, "workerinput"):
+        torch.set_num_threads(1)
+
+
 # ---------------------------------------------------------------------------- seeding
 
 

@@ -180,7 +180,7 @@ class PretrainedMixin:
         config = cls.config_class.from_dict(data)
         model = cls(config, **kwargs)
         state = load_state_dict_file(directory, allow_pickle=allow_pickle)
-        for key in cls.tied_keys:
+        for key in model.tied_keys:  # the instance's: ties may depend on the config
             state.setdefault(key, model.state_dict()[key])
         check_and_load(model, state, str(directory))
         return model

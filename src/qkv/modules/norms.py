@@ -49,11 +49,12 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
-def make_norm(kind: str, dim: int, *, eps: float | None = None, device=None,
-              dtype=None) -> nn.Module:
-    """A norm by name: "layernorm" or "rmsnorm" (configs name their norm)."""
+def make_norm(kind: str, dim: int, *, eps: float | None = None, bias: bool = True,
+              device=None, dtype=None) -> nn.Module:
+    """A norm by name: "layernorm" (``bias`` selects its additive term) or "rmsnorm"."""
     if kind == "layernorm":
-        return LayerNorm(dim, eps=1e-5 if eps is None else eps, device=device, dtype=dtype)
+        return LayerNorm(dim, eps=1e-5 if eps is None else eps, bias=bias, device=device,
+                         dtype=dtype)
     if kind == "rmsnorm":
         return RMSNorm(dim, eps=1e-6 if eps is None else eps, device=device, dtype=dtype)
     raise ValueError(f"norm must be 'layernorm' or 'rmsnorm', got {kind!r}")
