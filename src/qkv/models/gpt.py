@@ -159,13 +159,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for i in range(0, h.shape[0], chunk):
             hc, tc, vc = h[i:i + chunk], safe[i:i + chunk], valid[i:i + chunk]
             logits = hc @ weight.t()  # (m, V)
-            lse = torch.logsumexp(logits, dim=-1)  # (m,)
-            picked = logits.gather(1, tc[:, None]).squeeze(1)  # (m,)
-            total = total + ((lse - picked) * vc).sum()
+            top = logits.amax(dim=-1, keepdim=True)  # (m, 1)
+            picked = logits.gather(1, tc[:, None])  # (m, 1)
+            p = logits.sub_(top).exp_()  # unnormalised softmax, in place (m, V)
+            denom = p.sum(dim=-1, keepdim=True)  # (m, 1)
+            nll = denom.log() + top - picked  # (m, 1) = logsumexp - logit of the target
+            total = total + (nll.squeeze(1) * vc).sum()
             if need_h or need_w:
-                p = logits.sub_(lse[:, None]).exp_()  # softmax, in place (m, V)
-                p[torch.arange(p.shape[0], device=p.device), tc] -= 1.0
-                p.mul_((vc.to(p.dtype) / count)[:, None])  # d(mean loss)/d(logits)
+                # d(mean loss)/d(logits) = (softmax - onehot) · valid / count, in place
+                p.mul_((vc.to(p.dtype) / count)[:, None] / denom)
+                p.scatter_add_(1, tc[:, None], -(vc.to(p.dtype) / count)[:, None])
                 if need_h:
                     torch.mm(p, weight, out=grad_h[i:i + chunk])  # (m, C)
                 if need_w:
