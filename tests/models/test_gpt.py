@@ -480,3 +480,53 @@ def test_gpt2_parameter_count():
     with torch.device("meta"):
         model = GPT(GPTConfig.from_name("gpt2"))
     assert sum(p.numel() for p in model.parameters()) == 124_439_808
+
+
+def test_cache_past_capacity_raises():
+    model = _tiny()
+    with torch.no_grad():
+        cache = model.new_cache(1, 4)
+        model(torch.randint(0, VOCAB, (1, 3)), cache=cache)
+        with pytest.raises(ValueError, match="capacity 4"):
+            model(torch.randint(0, VOCAB, (1, 2)), cache=cache)
+
+
+def test_grouped_query_cache_decode():
+    model = _tiny(num_kv_heads=2, positions="rope")
+    assert model.new_cache(1, 8)[0].num_kv_heads == 2
+    ids = torch.randint(0, VOCAB, (2, 9))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache(2, 9)
+        steps = [model(ids[:, t:t + 1], cache=cache) for t in range(9)]
+    _close(torch.cat(steps, dim=1), full, what="GQA cached decode vs full")
+
+
+def test_padded_attention_weights():
+    """Real query rows sum to 1 and give padding keys 0; padding query rows are all 0."""
+    model = _tiny()
+    ids, mask = _left_pad([torch.randint(1, VOCAB, (n,)) for n in (6, 3)])
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, output_attentions=True)
+    keep = mask.bool()
+    for w in out.attentions:  # (B, H, N, S)
+        assert w.shape == (2, 4, 6, 6)
+        rows = w.sum(-1)  # (B, H, N)
+        _close(rows, keep[:, None, :].expand_as(rows).float(), what="row sums")
+        assert (w * ~keep[:, None, None, :]).abs().max() == 0
+
+
+def test_float64_model_matches_float32():
+    model = _tiny()
+    model64 = _tiny().double()
+    ids = torch.randint(0, VOCAB, (2, 11))
+    with torch.no_grad():
+        _close(model(ids).double(), model64(ids), atol=1e-4, rtol=1e-4, what="fp32 vs fp64")
+
+
+def test_small_integer_ids_accepted():
+    model = _tiny()
+    ids = torch.randint(0, VOCAB, (2, 5))
+    with torch.no_grad():
+        assert torch.equal(model(ids.to(torch.uint8)), model(ids))
+        assert torch.equal(model(ids.int()), model(ids))

@@ -329,6 +329,8 @@ class GPT(PretrainedMixin, nn.Module):
         """The final-normed hidden states (B, N, C) and, with ``output_attentions``, the list
         of per-layer weights (B, H, N, S) (else an empty list). Arguments as ``forward``."""
         self._check_ids(input_ids)
+        if input_ids.dtype not in (torch.int64, torch.int32):  # what nn.Embedding takes
+            input_ids = input_ids.long()
         batch, n = input_ids.shape
         past = self._check_cache(cache, batch)
         keep = self._keep(attention_mask, batch, n, past)
