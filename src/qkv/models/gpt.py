@@ -32,9 +32,10 @@ from ..modules.layers import EncoderLayer
 from ..modules.norms import LayerNorm, RMSNorm, make_norm
 from ..modules.positions import Learned, RoPE, positions_from_mask
 from ..ops.masks import Padding
-from .hub import ModelConfig, PretrainedMixin
+from .hub import ModelConfig, PretrainedMixin, load_tokenizer
 
 __all__ = ["GPT", "GPTConfig", "GPTOutput", "load_tokenizer"]
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,14 +445,3 @@ class GPT(PretrainedMixin, nn.Module):
         from .hf_gpt2 import load_hf_gpt2
 
         return load_hf_gpt2(cls, Path(directory), allow_pickle=allow_pickle, **kwargs)
-
-
-def load_tokenizer(directory: str | os.PathLike) -> Any:
-    """The ``tokenizers.Tokenizer`` saved as ``directory/tokenizer.json`` (HF layout), or None
-    when the directory has none. Encode with ``tok.encode(text).ids`` -> list of ids."""
-    path = Path(directory) / "tokenizer.json"
-    if not path.exists():
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(path))

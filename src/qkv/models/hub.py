@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 __all__ = ["CheckpointError", "ModelConfig", "PretrainedMixin", "atomic_write",
-           "load_state_dict_file", "read_json"]
+           "load_state_dict_file", "load_tokenizer", "read_json"]
 
 C = TypeVar("C", bound="ModelConfig")
 CONFIG_NAME = "config.json"
@@ -183,4 +183,16 @@ class PretrainedMixin:
         for key in model.tied_keys:  # the instance's: ties may depend on the config
             state.setdefault(key, model.state_dict()[key])
         check_and_load(model, state, str(directory))
-        return model
+        return model.eval()  # as from_hf and transformers: loaded models start in eval mode
+
+
+def load_tokenizer(directory: str | os.PathLike):
+    """The ``tokenizers.Tokenizer`` saved as ``directory/tokenizer.json`` (HF layout), or None
+    when the directory has none. ``tok.encode(text).ids`` is a list of ids; for a batch,
+    ``tok.enable_padding()`` then ``tok.encode_batch(texts)`` (ids and ``attention_mask``)."""
+    path = Path(directory) / "tokenizer.json"
+    if not path.exists():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
