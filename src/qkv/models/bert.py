@@ -16,7 +16,9 @@ Key padding follows the qkv convention (True = may attend): ``attention_mask`` (
 1 at real tokens becomes the bool mask ``attention_mask.bool()[:, None, None, :]``
 (B, 1, 1, N) — what ``qkv.masks.Padding(keep=...)`` allows, without its zeroing of padded
 keys/values (see ``key_padding_mask``); a mask without any padding is dropped, so the
-attention kernel runs unmasked.
+attention kernel runs unmasked. A padded batch runs every token-wise op (projections, FFN,
+LayerNorms: ~90% of the time) on its T real tokens only, packed (T, C); only attention
+itself sees the padded (B, H, N, D) layout.
 
 Loading HuggingFace checkpoints: ``BERT.from_hf(dir)`` (or ``BERT.from_pretrained(dir)``)
 reads config.json (model_type "bert") and model.safetensors, fuses each layer's
@@ -41,6 +43,7 @@ from ..modules.feedforward import ACTIVATIONS, FeedForward
 from ..modules.layers import EncoderLayer
 from ..modules.norms import LayerNorm
 from ..modules.positions import Learned
+from ..ops import attention
 from .hub import (
     CONFIG_NAME,
     CheckpointError,
@@ -255,8 +258,10 @@ class BERT(PretrainedMixin, nn.Module):
         Args:
             input_ids: (B, N) integers in [0, V); N ≤ max_len.
             attention_mask: (B, N), 1/True at real tokens, 0/False at padding (default all
-                real). Padded keys are never attended; a padded query's output is whatever
-                its row computes (ignore it, or use ``mean_pool``).
+                real). Padded keys are never attended. With padding, the token-wise work
+                (projections, FFN, norms) runs on the real tokens only and the padded
+                positions of ``last_hidden_state`` are zeros (HF computes values there
+                that nothing should read); any padding pattern (right, left) works.
             token_type_ids: (B, N) integers in [0, type_vocab_size) (default all 0).
             position_ids: (N,) or (B, N) integers in [0, max_len) (default arange(N)).
             output_attentions: also return each layer's weights (B, H, N, N) (computed by
@@ -294,14 +299,47 @@ class BERT(PretrainedMixin, nn.Module):
                 mask = key_padding_mask(keep)  # (B, 1, 1, N)
         x = self.embed(ids, token_type_ids, position_ids)  # (B, N, C)
         attentions = []
-        for layer in self.layers:
-            if output_attentions:
-                x, w = layer(x, mask=mask, need_weights=True)  # w: (B, H, N, N)
-                attentions.append(w)
-            else:
-                x = layer(x, mask=mask)  # (B, N, C)
+        if mask is None:
+            for layer in self.layers:
+                if output_attentions:
+                    x, w = layer(x, need_weights=True)  # w: (B, H, N, N)
+                    attentions.append(w)
+                else:
+                    x = layer(x)  # (B, N, C)
+        else:
+            # Padded batch: every token-wise op (projections, FFN, norms) runs on the T real
+            # tokens only; attention runs in the padded (B, H, N, D) layout.
+            idx = keep.reshape(-1).nonzero().squeeze(1)  # (T,) flat indices of real tokens
+            h = x.reshape(b * n, -1).index_select(0, idx)  # (T, C)
+            for layer in self.layers:
+                h, w = self._packed_layer(layer, h, idx, b, n, mask, output_attentions)
+                if output_attentions:
+                    attentions.append(w)
+            x = h.new_zeros(b * n, h.shape[-1]).index_copy(0, idx, h).view(b, n, -1)
         pooled = None if self.pooler is None else torch.tanh(self.pooler(x[:, 0]))  # (B, C)
         return BERTOutput(x, pooled, tuple(attentions) if output_attentions else None)
+
+    def _packed_layer(self, layer: EncoderLayer, h: Tensor, idx: Tensor, b: int, n: int,
+                      mask: Tensor, need_weights: bool) -> tuple[Tensor, Tensor | None]:
+        """One post-norm ``EncoderLayer`` (its own parameters and submodules) on the real
+        tokens h (T, C) of a padded (B, N) batch whose flat positions are ``idx`` (T,).
+        The same math as ``layer(x, mask=mask)`` on the real positions; padded positions
+        of the keys/values are zeros. Returns h (T, C) and the weights (B, H, N, N) or None.
+        """
+        attn = layer.attn
+        heads, d = attn.num_heads, attn.head_dim
+        proj = attn.in_proj(h)  # (T, 3C), rows q, k, v
+        full = proj.new_zeros(b * n, proj.shape[-1]).index_copy(0, idx, proj)  # (B·N, 3C)
+        q, k, v = full.view(b, n, 3, heads, d).permute(2, 0, 3, 1, 4)  # (B, H, N, D) each
+        out = attention(q, k, v, mask=mask, return_weights=need_weights,
+                        dropout_p=attn.dropout if self.training else 0.0, backend=attn.backend)
+        weights = None
+        if need_weights:
+            out, weights = out
+        out = out.transpose(1, 2).reshape(b * n, heads * d).index_select(0, idx)  # (T, C)
+        h = layer.norm1(h + layer.dropout(attn.out_proj(out)))  # (T, C)
+        h = layer.norm2(h + layer.dropout(layer.ffn(h)))  # (T, C)
+        return h, weights
 
     def mlm_logits(self, hidden: Tensor) -> Tensor:
         """Masked-LM logits (B, N, V) of hidden states (B, N, C) (``last_hidden_state``)."""
