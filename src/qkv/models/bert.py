@@ -298,47 +298,66 @@ class BERT(PretrainedMixin, nn.Module):
             if not bool(keep.all()):  # no padding: run the kernel unmasked
                 mask = key_padding_mask(keep)  # (B, 1, 1, N)
         x = self.embed(ids, token_type_ids, position_ids)  # (B, N, C)
+        # The layers run on 2-D (T, C) token rows: every token-wise op (projections, FFN,
+        # norms) sees only the T real tokens of a padded batch (T = B·N without padding);
+        # attention alone runs in the padded (B, H, N, D) layout.
+        idx = None if mask is None else keep.reshape(-1).nonzero().squeeze(1)  # (T,)
+        h = x.reshape(b * n, -1)  # (B·N, C)
+        if idx is not None:
+            h = h.index_select(0, idx)  # (T, C)
         attentions = []
-        if mask is None:
-            for layer in self.layers:
-                if output_attentions:
-                    x, w = layer(x, need_weights=True)  # w: (B, H, N, N)
-                    attentions.append(w)
-                else:
-                    x = layer(x)  # (B, N, C)
+        bufs: dict[str, Tensor] | None = None if torch.is_grad_enabled() else {}
+        for layer in self.layers:
+            h, w = self._token_layer(layer, h, idx, b, n, mask, output_attentions, bufs)
+            if output_attentions:
+                attentions.append(w)
+        if idx is None:
+            x = h.view(b, n, -1)  # (B, N, C)
         else:
-            # Padded batch: every token-wise op (projections, FFN, norms) runs on the T real
-            # tokens only; attention runs in the padded (B, H, N, D) layout.
-            idx = keep.reshape(-1).nonzero().squeeze(1)  # (T,) flat indices of real tokens
-            h = x.reshape(b * n, -1).index_select(0, idx)  # (T, C)
-            for layer in self.layers:
-                h, w = self._packed_layer(layer, h, idx, b, n, mask, output_attentions)
-                if output_attentions:
-                    attentions.append(w)
             x = h.new_zeros(b * n, h.shape[-1]).index_copy(0, idx, h).view(b, n, -1)
         pooled = None if self.pooler is None else torch.tanh(self.pooler(x[:, 0]))  # (B, C)
         return BERTOutput(x, pooled, tuple(attentions) if output_attentions else None)
 
-    def _packed_layer(self, layer: EncoderLayer, h: Tensor, idx: Tensor, b: int, n: int,
-                      mask: Tensor, need_weights: bool) -> tuple[Tensor, Tensor | None]:
-        """One post-norm ``EncoderLayer`` (its own parameters and submodules) on the real
-        tokens h (T, C) of a padded (B, N) batch whose flat positions are ``idx`` (T,).
-        The same math as ``layer(x, mask=mask)`` on the real positions; padded positions
-        of the keys/values are zeros. Returns h (T, C) and the weights (B, H, N, N) or None.
+    def _token_layer(self, layer: EncoderLayer, h: Tensor, idx: Tensor | None, b: int,
+                     n: int, mask: Tensor | None, need_weights: bool,
+                     bufs: dict[str, Tensor] | None) -> tuple[Tensor, Tensor | None]:
+        """One post-norm ``EncoderLayer`` (its parameters and submodules) on token rows.
+
+        h (T, C): the real tokens of the (B, N) batch at flat positions ``idx`` (T,), or all
+        B·N tokens when ``idx`` is None. The same math as ``layer(x, mask=mask)`` on the
+        real positions (padded keys/values are zeros and masked). Residual adds run in
+        place; when no gradient is recorded (``bufs`` is a dict, shared by the layers of
+        one forward) the activation runs in place and the two wide projections write into
+        buffers reused from layer to layer: fresh large buffers cost page faults on CPU
+        (~10% of a forward). Returns h (T, C) and the weights (B, H, N, N) or None.
         """
-        attn = layer.attn
+        attn, ffn = layer.attn, layer.ffn
         heads, d = attn.num_heads, attn.head_dim
-        proj = attn.in_proj(h)  # (T, 3C), rows q, k, v
-        full = proj.new_zeros(b * n, proj.shape[-1]).index_copy(0, idx, proj)  # (B·N, 3C)
-        q, k, v = full.view(b, n, 3, heads, d).permute(2, 0, 3, 1, 4)  # (B, H, N, D) each
+        proj = _linear(attn.in_proj, h, bufs, "proj")  # (T, 3C), columns q, k, v
+        if idx is not None:
+            if bufs is None:
+                full = proj.new_zeros(b * n, proj.shape[-1])  # (B·N, 3C)
+            else:  # padded rows stay zero from layer to layer
+                full = bufs.get("full")
+                if full is None:
+                    full = bufs["full"] = proj.new_zeros(b * n, proj.shape[-1])
+            proj = full.index_copy_(0, idx, proj)  # (B·N, 3C)
+        q, k, v = proj.view(b, n, 3, heads, d).permute(2, 0, 3, 1, 4)  # (B, H, N, D) each
         out = attention(q, k, v, mask=mask, return_weights=need_weights,
                         dropout_p=attn.dropout if self.training else 0.0, backend=attn.backend)
         weights = None
         if need_weights:
             out, weights = out
-        out = out.transpose(1, 2).reshape(b * n, heads * d).index_select(0, idx)  # (T, C)
-        h = layer.norm1(h + layer.dropout(attn.out_proj(out)))  # (T, C)
-        h = layer.norm2(h + layer.dropout(layer.ffn(h)))  # (T, C)
+        out = out.transpose(1, 2).reshape(b * n, heads * d)  # (B·N, C)
+        if idx is not None:
+            out = out.index_select(0, idx)  # (T, C)
+        a = layer.dropout(attn.out_proj(out))  # (T, C)
+        h = layer.norm1(a.add_(h))  # (T, C)
+        f = _linear(ffn.fc_in, h, bufs, "ffn")  # (T, F)
+        inplace = None if bufs is None else _INPLACE_ACTIVATIONS.get(ffn.activation)
+        f = inplace(f) if inplace is not None else ACTIVATIONS[ffn.activation](f)
+        f = layer.dropout(ffn.fc_out(ffn.dropout(f)))  # (T, C)
+        h = layer.norm2(f.add_(h))  # (T, C)
         return h, weights
 
     def mlm_logits(self, hidden: Tensor) -> Tensor:
@@ -424,6 +443,25 @@ class BERT(PretrainedMixin, nn.Module):
         check_and_load(model, _map_hf_state(model, state, source), source)
         return model
 
+
+def _linear(lin: nn.Linear, x: Tensor, bufs: dict[str, Tensor] | None, name: str) -> Tensor:
+    """``lin(x)`` for x (T, Cin) -> (T, Cout), written into ``bufs[name]`` when given
+    (no-grad only: the buffer is overwritten by the next layer)."""
+    if bufs is None or lin.bias is None:
+        return lin(x)
+    shape = (x.shape[0], lin.out_features)
+    out = bufs.get(name)
+    if out is None or out.shape != shape or out.dtype != x.dtype:
+        out = bufs[name] = x.new_empty(shape)
+    return torch.addmm(lin.bias, x, lin.weight.t(), out=out)
+
+
+_INPLACE_ACTIVATIONS = {
+    "gelu": torch.ops.aten.gelu_,
+    "gelu_tanh": lambda t: torch.ops.aten.gelu_(t, approximate="tanh"),
+    "relu": torch.relu_,
+    "silu": lambda t: F.silu(t, inplace=True),
+}
 
 # --- HuggingFace conversion helpers ------------------------------------------------------
 _HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
