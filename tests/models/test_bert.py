@@ -234,6 +234,34 @@ def test_padded_batch_gradients_equal_per_row_gradients():
                                    msg=lambda m, k=k: f"grad {k}: {m}")
 
 
+class _Scaled(torch.nn.Module):
+    """A stand-in for an adapter: wraps a Linear and changes its output."""
+
+    def __init__(self, lin):
+        super().__init__()
+        self.lin = lin
+
+    def forward(self, x):
+        return 2 * self.lin(x)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_swapped_in_parts_are_honoured(padded):
+    """A layer whose parts were replaced runs its own forward (no shortcut through them)."""
+    model = tiny().eval()
+    ids, am, tt = batch_inputs()
+    am = am if padded else None
+    keep = torch.ones(3, 17, dtype=torch.bool) if am is None else am.bool()
+    model.layers[1].ffn.fc_in = _Scaled(model.layers[1].ffn.fc_in)
+    with torch.no_grad():
+        got = model(ids, am, tt).last_hidden_state
+        x = model.embed(ids, tt)
+        mask = None if am is None else key_padding_mask(keep)
+        for layer in model.layers:
+            x = layer(x, mask=mask)
+    close(got[keep], x[keep], "swapped-in fc_in")
+
+
 def test_left_padding_with_positions_equals_unpadded():
     model = tiny().eval()
     ids = torch.randint(1, V, (2, 9))

@@ -332,6 +332,13 @@ class BERT(PretrainedMixin, nn.Module):
         (~10% of a forward). Returns h (T, C) and the weights (B, H, N, N) or None.
         """
         attn, ffn = layer.attn, layer.ffn
+        if not _is_plain(layer):  # parts swapped in (adapters...): the layer's own forward
+            x = h.view(b, n, -1) if idx is None else \
+                h.new_zeros(b * n, h.shape[-1]).index_copy(0, idx, h).view(b, n, -1)
+            out = layer(x, mask=mask, need_weights=need_weights)
+            x, weights = out if need_weights else (out, None)
+            x = x.reshape(b * n, -1)  # (B·N, C)
+            return (x if idx is None else x.index_select(0, idx)), weights
         heads, d = attn.num_heads, attn.head_dim
         proj = _linear(attn.in_proj, h, bufs, "proj")  # (T, 3C), columns q, k, v
         if idx is not None:
@@ -442,6 +449,16 @@ class BERT(PretrainedMixin, nn.Module):
         model = cls(config)
         check_and_load(model, _map_hf_state(model, state, source), source)
         return model
+
+
+def _is_plain(layer: EncoderLayer) -> bool:
+    """The layer has the parts ``BERT`` builds (so ``_token_layer`` may use them directly)."""
+    attn, ffn = layer.attn, layer.ffn
+    return (type(attn) is MultiHeadAttention and type(ffn) is FeedForward
+            and not layer.norm_first and attn.in_proj is not None and attn.rope is None
+            and attn.num_kv_heads == attn.num_heads
+            and all(type(m) is nn.Linear for m in (attn.in_proj, attn.out_proj, ffn.fc_in,
+                                                   ffn.fc_out)))
 
 
 def _linear(lin: nn.Linear, x: Tensor, bufs: dict[str, Tensor] | None, name: str) -> Tensor:
