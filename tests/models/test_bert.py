@@ -87,7 +87,8 @@ def close(a, b, what):
 
 def test_hidden_states_and_pooler_match_hf_bertmodel(hf_dirs):
     hf, d = hf_dirs["base"]
-    model = BERT.from_hf(d).eval()
+    model = BERT.from_hf(d)
+    assert not model.training  # loaded models start in eval mode
     assert model.pooler is not None and model.mlm is None
     ids, am, tt = batch_inputs()
     keep = am.bool()

@@ -51,6 +51,7 @@ from .hub import (
     PretrainedMixin,
     check_and_load,
     load_state_dict_file,
+    load_tokenizer,
     read_json,
 )
 
@@ -428,10 +429,11 @@ class BERT(PretrainedMixin, nn.Module):
         type_vocab_size, layer_norm_eps, vocab_size, pad_token_id, dropouts) and
         model.safetensors (``BertModel`` or ``BertForMaskedLM``/``BertForPreTraining`` keys,
         with or without the "bert." prefix). The pooler and MLM head are built only when
-        the checkpoint holds them. Dropped without complaint: ``embeddings.position_ids``,
-        the next-sentence head ``cls.seq_relationship.*`` (not modelled) and a decoder
-        weight/bias equal to the tied word embeddings / ``cls.predictions.bias``. Old
-        ``LayerNorm.gamma/beta`` names are read as weight/bias.
+        the checkpoint holds them; the model is returned in eval mode. The tokenizer, if
+        any: ``load_tokenizer(directory)`` (re-exported from ``hub``). Dropped silently:
+        ``embeddings.position_ids``, the next-sentence head ``cls.seq_relationship.*`` (not
+        modelled) and a decoder weight/bias equal to the tied word embeddings /
+        ``cls.predictions.bias``. Old ``LayerNorm.gamma/beta`` names are read as weight/bias.
 
         Raises:
             CheckpointError naming missing, unknown or mis-shaped HuggingFace keys, an
@@ -448,7 +450,7 @@ class BERT(PretrainedMixin, nn.Module):
                                                    for k in state))
         model = cls(config)
         check_and_load(model, _map_hf_state(model, state, source), source)
-        return model
+        return model.eval()  # as transformers: a loaded model starts in eval mode
 
 
 def _is_plain(layer: EncoderLayer) -> bool:
@@ -594,7 +596,7 @@ def key_padding_mask(keep: Tensor) -> Tensor:
     return keep[:, None, None, :]  # (B, 1, 1, N)
 
 
-# --- sentence embeddings and tokenizer ---------------------------------------------------
+# --- sentence embeddings ---------------------------------------------------------------
 def mean_pool(hidden: Tensor, attention_mask: Tensor | None = None) -> Tensor:
     """Sentence embeddings (B, C): the mean of ``hidden`` (B, N, C) over real tokens
     (``attention_mask`` (B, N), 1 = real; default all real) — sentence-transformers'
@@ -609,16 +611,3 @@ def mean_pool(hidden: Tensor, attention_mask: Tensor | None = None) -> Tensor:
                          f"{tuple(hidden.shape[:2])}, got {tuple(attention_mask.shape)}")
     w = attention_mask.to(hidden.dtype).unsqueeze(-1)  # (B, N, 1)
     return (hidden * w).sum(dim=1) / w.sum(dim=1).clamp_min(1e-9)  # (B, C)
-
-
-def load_tokenizer(directory: str | os.PathLike):
-    """The ``tokenizers.Tokenizer`` of ``directory/tokenizer.json``, or None if absent.
-
-    ``enc = tok.encode_batch(texts)``; ids (B, N) from ``[e.ids for e in enc]`` after
-    ``tok.enable_padding()``; the attention mask from ``e.attention_mask``."""
-    path = Path(directory) / "tokenizer.json"
-    if not path.exists():
-        return None
-    from tokenizers import Tokenizer  # optional dependency, needed only here
-
-    return Tokenizer.from_file(str(path))
