@@ -263,6 +263,41 @@ def test_swapped_in_parts_are_honoured(padded):
     close(got[keep], x[keep], "swapped-in fc_in")
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_no_grad_fast_path_equals_autograd_path(padded):
+    """Without grad, activations run in place and projections reuse buffers: same values."""
+    model = tiny().eval()
+    ids, am, tt = batch_inputs()
+    am = am if padded else None
+    with_grad = model(ids, am, tt).last_hidden_state
+    with torch.inference_mode():
+        fast = model(ids, am, tt).last_hidden_state
+    torch.testing.assert_close(fast, with_grad.detach(), atol=1e-6, rtol=1e-6)
+
+
+def test_minilm_l6_preset_matches_hf_at_that_shape(tmp_path):
+    """The minilm-l6 preset's shape (all-MiniLM-L6-v2) loads from HF and matches it."""
+    c = BERTConfig.from_name("minilm-l6")
+    hf = transformers.BertModel(hf_config(
+        hidden_size=c.dim, num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+        intermediate_size=c.ffn_hidden, vocab_size=c.vocab_size,
+        max_position_embeddings=c.max_len)).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    model = BERT.from_hf(tmp_path)
+    cfg = model.config
+    assert (cfg.dim, cfg.num_layers, cfg.num_heads, cfg.ffn_hidden, cfg.vocab_size,
+            cfg.max_len) == (c.dim, c.num_layers, c.num_heads, c.ffn_hidden, c.vocab_size,
+                             c.max_len)
+    ids = torch.randint(0, c.vocab_size, (2, 40))
+    am = torch.ones(2, 40, dtype=torch.long)
+    am[1, 25:] = 0
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=am).last_hidden_state
+        out = model(ids, am).last_hidden_state
+    close(out[am.bool()], ref[am.bool()], "minilm-l6 shape")
+    close(mean_pool(out, am), mean_pool(ref * am[..., None], am), "mean-pooled")
+
+
 def test_left_padding_with_positions_equals_unpadded():
     model = tiny().eval()
     ids = torch.randint(1, V, (2, 9))
