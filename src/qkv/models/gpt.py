@@ -231,6 +231,7 @@ class GPT(PretrainedMixin, nn.Module):
             EncoderLayer.build(c.dim, c.num_heads, ffn_hidden=c.ffn_hidden or 4 * c.dim,
                                activation=c.activation, norm=c.norm, norm_eps=c.norm_eps,
                                norm_first=True, dropout=c.dropout, attn_dropout=c.attn_dropout,
+                               ffn_dropout=0.0,  # GPT-2's MLP has no inner dropout
                                bias=c.bias, num_kv_heads=c.num_kv_heads, rope=self.rope,
                                **factory)
             for _ in range(c.num_layers))

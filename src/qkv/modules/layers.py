@@ -51,14 +51,18 @@ class EncoderLayer(nn.Module):
     def build(cls, dim: int, num_heads: int, *, ffn_hidden: int | None = None,
               activation: str = "relu", norm: str = "layernorm", norm_eps: float | None = None,
               norm_first: bool = False, dropout: float = 0.0, attn_dropout: float = 0.0,
-              bias: bool = True, num_kv_heads: int | None = None, rope=None,
-              device=None, dtype=None) -> EncoderLayer:
+              ffn_dropout: float | None = None, bias: bool = True,
+              num_kv_heads: int | None = None, rope=None, device=None,
+              dtype=None) -> EncoderLayer:
         """The common layer: ``activation`` in FeedForward's list or "swiglu";
-        ``ffn_hidden`` defaults to 4·dim."""
+        ``ffn_hidden`` defaults to 4·dim. ``dropout`` is the residual dropout;
+        ``ffn_dropout`` (default: ``dropout``, as torch's Transformer layers) the dropout
+        after the FFN activation — GPT-2 and BERT have none (0.0)."""
         factory = {"device": device, "dtype": dtype}
         attn = MultiHeadAttention(dim, num_heads, num_kv_heads=num_kv_heads, bias=bias,
                                   dropout=attn_dropout, rope=rope, **factory)
-        ffn = _build_ffn(dim, ffn_hidden or 4 * dim, activation, bias, dropout, factory)
+        ffn = _build_ffn(dim, ffn_hidden or 4 * dim, activation, bias,
+                         dropout if ffn_dropout is None else ffn_dropout, factory)
         return cls(attn, ffn, make_norm(norm, dim, eps=norm_eps, **factory),
                    make_norm(norm, dim, eps=norm_eps, **factory), norm_first=norm_first,
                    dropout=dropout)
@@ -110,7 +114,8 @@ class DecoderLayer(nn.Module):
     def build(cls, dim: int, num_heads: int, *, ffn_hidden: int | None = None,
               activation: str = "relu", norm: str = "layernorm", norm_eps: float | None = None,
               norm_first: bool = False, dropout: float = 0.0, attn_dropout: float = 0.0,
-              bias: bool = True, num_kv_heads: int | None = None, memory_dim: int | None = None,
+              ffn_dropout: float | None = None, bias: bool = True,
+              num_kv_heads: int | None = None, memory_dim: int | None = None,
               rope=None, device=None, dtype=None) -> DecoderLayer:
         """The common layer (see ``EncoderLayer.build``); ``memory_dim`` is the encoder width
         (default dim)."""
@@ -120,7 +125,8 @@ class DecoderLayer(nn.Module):
         cross_attn = MultiHeadAttention(dim, num_heads, num_kv_heads=num_kv_heads,
                                         kv_dim=memory_dim, bias=bias, dropout=attn_dropout,
                                         **factory)
-        ffn = _build_ffn(dim, ffn_hidden or 4 * dim, activation, bias, dropout, factory)
+        ffn = _build_ffn(dim, ffn_hidden or 4 * dim, activation, bias,
+                         dropout if ffn_dropout is None else ffn_dropout, factory)
         norms = [make_norm(norm, dim, eps=norm_eps, **factory) for _ in range(3)]
         return cls(self_attn, cross_attn, ffn, *norms, norm_first=norm_first, dropout=dropout)
 
