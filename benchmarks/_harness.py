@@ -28,6 +28,23 @@ def median_time(fn: Callable[[], object], repeat: int = 3, warmup: int = 1) -> f
     return statistics.median(times)
 
 
+def side_by_side(fns: dict[str, Callable[[], object]], warmup: int, repeats: int
+                 ) -> dict[str, float]:
+    """Median seconds per call of each function, timed alternately in one loop (the order
+    flips every repeat), so that a machine's drift hits every contender alike."""
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def rss_peak_mib() -> float:
     """This process's resident-set high-water mark in MiB (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -18,37 +18,13 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 
 import torch
 
-from benchmarks._harness import print_table
+from benchmarks._harness import print_table, side_by_side
 from qkv.models.bert import BERT, BERTConfig
-
-
-def _time(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def _side_by_side(fns: dict[str, Callable[[], object]], warmup: int, repeats: int
-                  ) -> dict[str, float]:
-    """Median seconds per call of each function, timed alternately in one loop."""
-    names = list(fns)
-    for _ in range(warmup):
-        for name in names:
-            fns[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        order = names if r % 2 == 0 else names[::-1]
-        for name in order:
-            times[name].append(_time(fns[name]))
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def build_pair(config: BERTConfig):
@@ -92,7 +68,7 @@ def run(config: BERTConfig, batch: int, seq: int, warmup: int, repeats: int
             if err > 1e-3:
                 raise SystemExit(f"bench_bert: {case}: outputs differ by {err:.3g}; "
                                  f"not timing")
-            times = _side_by_side({
+            times = side_by_side({
                 "hf": lambda m=mask: hf(ids, attention_mask=m),
                 "qkv": lambda m=mask: model(ids, m),
             }, warmup, repeats)

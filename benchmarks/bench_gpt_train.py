@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import statistics
 import sys
 import time
 from collections.abc import Callable
 
 import torch
 
-from benchmarks._harness import print_table
+from benchmarks._harness import print_table, side_by_side
 from qkv.models.gpt import GPT
 from qkv.models.hf_gpt2 import config_from_hf, convert_hf_state_dict
 
@@ -92,22 +91,6 @@ def step_fns(hf, model: GPT, ids: torch.Tensor, adamw: str = "default"
         return loss.item()
 
     return {"HF GPT2LMHeadModel (sdpa)": hf_step, "qkv GPT": qkv_step}
-
-
-def side_by_side(fns: dict[str, Callable[[], float]], warmup: int, repeats: int
-                 ) -> dict[str, float]:
-    """Median seconds per call of each function, alternating which goes first."""
-    names = list(fns)
-    for _ in range(warmup):
-        for name in names:
-            fns[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            t0 = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def flops_per_step(model: GPT, batch: int, seq: int) -> float:

@@ -18,37 +18,13 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import statistics
 import sys
-import time
-from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
-from benchmarks._harness import print_table
+from benchmarks._harness import print_table, side_by_side
 from qkv.modules import MultiHeadAttention
-
-
-def _time(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def _side_by_side(fns: dict[str, Callable[[], object]], warmup: int, repeats: int
-                  ) -> dict[str, float]:
-    """Median seconds per call of each function, timed alternately in one loop."""
-    names = list(fns)
-    for _ in range(warmup):
-        for name in names:
-            fns[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        order = names if r % 2 == 0 else names[::-1]
-        for name in order:
-            times[name].append(_time(fns[name]))
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def run(batch: int, seq: int, dim: int, heads: int, warmup: int, repeats: int,
@@ -67,7 +43,7 @@ def run(batch: int, seq: int, dim: int, heads: int, warmup: int, repeats: int,
         err = (want - got).abs().max().item()
         if err > 1e-3:
             raise SystemExit(f"bench_mha: outputs differ by {err:.3g}; not timing")
-        eval_times = _side_by_side({
+        eval_times = side_by_side({
             "torch": lambda: ref(x, x, x, need_weights=False),
             "qkv": lambda: mha(x),
         }, warmup, repeats)
@@ -84,7 +60,7 @@ def run(batch: int, seq: int, dim: int, heads: int, warmup: int, repeats: int,
     def qkv_step() -> None:
         mha(xg).backward(grad)
 
-    train_times = _side_by_side({"torch": torch_step, "qkv": qkv_step}, warmup, repeats)
+    train_times = side_by_side({"torch": torch_step, "qkv": qkv_step}, warmup, repeats)
     return [("eval forward (inference_mode)", eval_times["torch"], eval_times["qkv"]),
             ("forward+backward (train)", train_times["torch"], train_times["qkv"])]
 
