@@ -1,0 +1,24 @@
+"""The ``qkv`` command line: the demo runs and reports backends agreeing with fp64."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from qkv.cli import main
+
+
+def test_demo_runs_and_backends_agree(capsys):
+    assert main(["demo", "--length", "300"]) == 0
+    out = capsys.readouterr().out
+    errors = [float(e) for e in re.findall(r"max \|error\| vs fp64 reference = (\S+)", out)]
+    assert len(errors) == 3 and max(errors) < 5e-5  # fp32 vs fp64 bar
+    assert out.count("output finite: True") == 3
+
+
+def test_bad_argument_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--length", "0"])
+    assert exc.value.code == 2
+    assert "--length must be >= 1" in capsys.readouterr().err
