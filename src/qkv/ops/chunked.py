@@ -19,6 +19,7 @@ from .bias import BiasProducer
 from .fused import SegmentRunner, fast_path_refusal, plan_segments
 from .masks import And, Causal, Mask
 from .reference import compute_dtype, expand_kv
+from .sparse import window_attention, window_refusal
 from .tiles import TileProblem, tiles_backward, tiles_forward
 
 __all__ = ["chunked_attention"]
@@ -136,9 +137,10 @@ def chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None = No
     """Exact attention in blocks. q (B, H, N, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv).
 
     Returns ``(out, lse)``: out (B, H, N, Dv) in q's dtype, lse (B, H, N) (-inf for rows that
-    attend to nothing, whose output is 0). Giving ``block_q``/``block_k`` forces plain
-    explicit tiles of that size (no fused fast path); by default structured bias producers
-    take the fused path when the mask allows.
+    attend to nothing, whose output is 0; None from the sliding-window path). Giving
+    ``block_q``/``block_k`` forces plain explicit tiles of that size (no fused fast path); by
+    default structured bias producers and a plain ``SlidingWindow`` take fused paths, and
+    block-sparse masks use their block size as the tile.
     """
     for name, size in (("block_q", block_q), ("block_k", block_k)):
         if size is not None and (isinstance(size, bool) or not isinstance(size, int)
@@ -147,6 +149,12 @@ def chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None = No
                              f"got {size!r}")
     heads = q.shape[1]
     k, v = expand_kv(k, heads), expand_kv(v, heads)  # (B, H, S, D)
+    if block_q is None and block_k is None and window_refusal(q, mask, bias, dropout_p) is None:
+        out = window_attention(q, k, v, window=mask, scale=scale)
+        return out, None
+    if mask is not None and mask.tile is not None:  # block-sparse layouts: tiles = blocks
+        block_q = block_q or mask.tile
+        block_k = block_k or mask.tile
     plan = _Plan(q, k, mask, bias, scale, dropout_p, block_q, block_k)
     bias_tensor = bias if isinstance(bias, Tensor) else None
     out, lse = _ChunkedAttention.apply(plan, q, k, v, bias_tensor, *plan.params)

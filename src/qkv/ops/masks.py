@@ -40,8 +40,12 @@ class Mask:
     """Base class of typed masks. Subclasses implement ``block`` and ``describe``.
 
     Combine masks with ``&``: ``Causal() & Padding(lengths)`` allows a pair only when every
-    part allows it.
+    part allows it. ``sparse`` marks patterns where a dense kernel would waste most of its
+    work; ``tile`` (when not None) is the block size a tiled backend should use.
     """
+
+    sparse: bool = False
+    tile: int | None = None
 
     def block(self, i0: int, i1: int, j0: int, j1: int, n: int, s: int,
               device: torch.device) -> MaskBlock:
@@ -243,6 +247,14 @@ class And(Mask):
     def validate(self, batch, heads, n, s):
         for p in self.parts:
             p.validate(batch, heads, n, s)
+
+    @property
+    def sparse(self) -> bool:
+        return any(p.sparse for p in self.parts)
+
+    @property
+    def tile(self) -> int | None:
+        return next((p.tile for p in self.parts if p.tile is not None), None)
 
     def key_range(self, i0, i1, n, s):
         lo, hi = 0, s

@@ -17,13 +17,17 @@ from torch import Tensor
 from .bias import BiasProducer
 from .masks import Causal, Mask, split_causal
 
-__all__ = ["MAX_MATERIALISED", "sdpa_attention", "sdpa_refusal"]
+__all__ = ["MAX_DENSE_SPARSE", "MAX_MATERIALISED", "sdpa_attention", "sdpa_refusal"]
 
 MAX_MATERIALISED = 1 << 22  # elements of a (B, H, N, S) bias the sdpa backend will build
+MAX_DENSE_SPARSE = 1 << 20  # N·S above which a sparse mask goes to the chunked backend
 
 
 def sdpa_refusal(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, bias) -> str | None:
     """Why the sdpa backend cannot serve this request (None: it can)."""
+    if mask is not None and mask.sparse and q.shape[2] * k.shape[2] > MAX_DENSE_SPARSE:
+        return (f"sparse mask {mask.describe()}: a dense kernel would compute all "
+                f"{q.shape[2]}×{k.shape[2]} pairs (the chunked backend computes live blocks)")
     if isinstance(bias, BiasProducer):
         if bias.needs_query:
             return f"{type(bias).__name__} depends on the queries, which SDPA cannot express"
