@@ -401,6 +401,9 @@ def _bad_cases():
         ("step state", lambda: step(q[:, :, :1], k[:, :, :1], v[:, :, :1], good_state,
                                     feature_map="favor", features=fe), ValueError,
          "state shapes"),
+        ("favor state for elu", lambda: la(q, k, v, state=LinearState(
+            torch.zeros(1, 2, 8, 3), torch.zeros(1, 2, 8), torch.zeros(1, 2))), ValueError,
+         "log_scale"),
         ("favor args", lambda: FavorFeatures(8, 0), ValueError, "num_features"),
     ]
 

@@ -184,6 +184,9 @@ def _validate(fn: str, q, k, v, feature_map, features, eps, state) -> None:
         if _shape(state.kv) != want_kv or _shape(state.z) != want_z:
             raise ValueError(f"{fn}: state shapes kv {_shape(state.kv)}, z {_shape(state.z)} "
                              f"do not match (B, H, D', Dv) = {want_kv}, (B, H, D') = {want_z}")
+        if state.log_scale is not None and feature_map == "elu":
+            raise ValueError(f"{fn}: state has a log_scale (a FAVOR+ state) but "
+                             f"feature_map='elu'; continue with the feature map it was built with")
         if state.log_scale is not None and _shape(state.log_scale) != (b, h):
             raise ValueError(f"{fn}: state.log_scale must be (B, H) = {(b, h)}, got "
                              f"{_shape(state.log_scale)}")

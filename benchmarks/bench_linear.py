@@ -1,0 +1,126 @@
+"""Causal linear attention (elu, chunkwise) vs dense causal torch SDPA, and its scaling in N.
+
+Usage: python -m benchmarks.bench_linear [--quick] [--n 16384] [--ns 4096,8192,...]
+                                         [--chunk 64] [--repeats 3]
+
+Shapes B=1, H=8, D=Dv=64, fp32, CPU, forward under inference_mode.
+1. Side by side at N=--n in one process (alternating, median of --repeats): torch SDPA
+   is_causal=True, qkv causal linear attention (elu), non-causal linear attention.
+2. Causal linear attention at chunk sizes 64, 128, 256, side by side at N=--n.
+3. Causal linear attention at each N of --ns, each in a fresh subprocess: time and peak
+   memory (growth of the resident-set high-water mark during the call, inputs allocated),
+   with the exponent of a least-squares fit of log time against log N (1 = linear).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks._harness import (
+    median_time,
+    peak_growth_in_subprocess,
+    print_table,
+    rss_peak_mib,
+    side_by_side,
+)
+from qkv.ops.linear import linear_attention
+
+B, H, D = 1, 8, 64
+
+
+def _inputs(n: int):
+    torch.manual_seed(0)
+    return tuple(torch.randn(B, H, n, D) for _ in range(3))  # (B, H, N, D) each
+
+
+def _call(case: str, q, k, v, chunk: int):
+    if case == "sdpa causal":
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if case == "linear causal":
+        return lambda: linear_attention(q, k, v, causal=True, chunk_size=chunk)
+    if case == "linear non-causal":
+        return lambda: linear_attention(q, k, v, causal=False)
+    raise ValueError(f"bench_linear: unknown case {case!r}")
+
+
+def measure(case: str, n: int, chunk: int, repeat: int) -> dict:
+    """Time and peak-memory growth of one case in this (fresh) process."""
+    q, k, v = _inputs(n)
+    call = _call(case, q, k, v, chunk)
+    with torch.inference_mode():
+        before = rss_peak_mib()
+        call()  # warm-up, and the call whose peak we record
+        peak = rss_peak_mib() - before
+        seconds = median_time(call, repeat=repeat, warmup=0)
+    return {"seconds": seconds, "peak_mib": peak}
+
+
+def fitted_exponent(ns: list[int], secs: list[float]) -> float:
+    """Slope of the least-squares line through (log N, log seconds)."""
+    xs, ys = [math.log(n) for n in ns], [math.log(s) for s in secs]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return (sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+            / sum((x - mx) ** 2 for x in xs))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat")
+    parser.add_argument("--n", type=int, default=16384, help="N of the side-by-side tables")
+    parser.add_argument("--ns", default="4096,8192,16384,32768,65536",
+                        help="comma-separated N of the scaling table")
+    parser.add_argument("--chunk", type=int, default=64, help="chunk size C (causal)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--measure", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.n, args.ns, args.repeats = 512, "256,512,1024", 1
+    if args.measure:
+        print(json.dumps(measure(args.measure, args.n, args.chunk, args.repeats)))
+        return
+    print(f"command: python -m benchmarks.bench_linear {' '.join(sys.argv[1:])}")
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, B={B} H={H} D=Dv={D} "
+          f"fp32, forward under inference_mode, chunk C={args.chunk}")
+
+    q, k, v = _inputs(args.n)
+    cases = ("sdpa causal", "linear causal", "linear non-causal")
+    with torch.inference_mode():
+        secs = side_by_side({c: _call(c, q, k, v, args.chunk) for c in cases},
+                            warmup=1, repeats=args.repeats)
+    base = secs["sdpa causal"]
+    calls = {"sdpa causal": "F.scaled_dot_product_attention(is_causal=True)",
+             "linear causal": f"linear_attention(causal=True, chunk_size={args.chunk})",
+             "linear non-causal": "linear_attention(causal=False)"}
+    print_table(f"N={args.n}, side by side, median of {args.repeats}",
+                ["case", "call", "seconds", "speed-up vs causal SDPA"],
+                [[c, calls[c], f"{secs[c]:.3f}", f"{base / secs[c]:.1f}×"] for c in cases])
+
+    chunks = (64, 128, 256)
+    with torch.inference_mode():
+        csecs = side_by_side({c: _call("linear causal", q, k, v, c) for c in chunks},
+                             warmup=1, repeats=args.repeats)
+    print_table(f"causal linear attention by chunk size, N={args.n}, side by side",
+                ["chunk C", "seconds"], [[str(c), f"{csecs[c]:.3f}"] for c in chunks])
+    del q, k, v
+
+    ns = [int(x) for x in args.ns.split(",")]
+    runs = [peak_growth_in_subprocess("benchmarks.bench_linear", "linear causal", "--n",
+                                      str(n), "--chunk", str(args.chunk), "--repeats",
+                                      str(args.repeats)) for n in ns]
+    times = [r["seconds"] for r in runs]
+    slope = fitted_exponent(ns, times)
+    rows = [[str(n), f"{r['seconds']:.3f}", f"{r['seconds'] / n * 1e6:.2f}",
+             f"{r['peak_mib']:.0f}"] for n, r in zip(ns, runs, strict=True)]
+    print_table(f"causal linear attention (elu, C={args.chunk}) vs N, fresh process per N; "
+                f"fitted exponent of time vs N: {slope:.2f}",
+                ["N", "seconds", "µs per position", "peak MiB"], rows)
+
+
+if __name__ == "__main__":
+    main()
