@@ -274,10 +274,9 @@ def _causal_chunked(fq: Tensor, fk: Tensor, va: Tensor, kv0: Tensor, chunk: int
     before = torch.cat([kv0[:, :, None], chunk_kv[:, :, :-1]], dim=2).cumsum(dim=2)
     final = before[:, :, -1] + chunk_kv[:, :, -1]  # (B, H, D', Dv+1)
     num = torch.bmm(fq, before.view(b * h * kc, fdim, dv1))  # (B·H·K, C, Dv+1)
-    tri = torch.ones(c, c, dtype=torch.bool, device=fq.device).tril()  # (C, C)
-    scores = torch.bmm(fq, fk.transpose(1, 2))  # (B·H·K, C, C)
-    scores = scores.masked_fill_(~tri, 0.0)  # bmm keeps its inputs, not its output
-    num = torch.baddbmm(num, scores, va)  # (B·H·K, C, Dv+1)
+    # in place: bmm keeps its inputs for backward, not its output
+    scores = torch.bmm(fq, fk.transpose(1, 2)).tril_()  # (B·H·K, C, C), j <= i
+    num = num.baddbmm_(scores, va)  # (B·H·K, C, Dv+1)
     num = num.view(b, h, kc * c, dv1)[:, :, :n]  # (B, H, N, Dv+1)
     return num, final
 
@@ -333,7 +332,8 @@ def linear_attention(
     fq, q_shift = _query_features(q, feature_map, features, cdt)  # (B, H, N, D')
     fk, k_shift = _key_features(k, heads, feature_map, features, cdt, prior)
     vc = expand_kv(v.to(cdt), heads)  # (B, H, S, Dv)
-    va = F.pad(vc, (0, 1), value=1.0)  # (B, H, S, Dv+1): the ones column sums to z
+    ones = vc.new_ones(*vc.shape[:3], 1)  # (B, H, S, 1)
+    va = torch.cat([vc, ones], dim=-1)  # (B, H, S, Dv+1): the ones column sums to z
     kv0, z0 = _rescale(state, k_shift, q, fq.shape[-1], dv, cdt)
     kv0 = torch.cat([kv0, z0[..., None]], dim=-1)  # (B, H, D', Dv+1)
     if causal and n > 0:
