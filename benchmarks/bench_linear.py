@@ -8,7 +8,7 @@ Shapes B=1, H=8, D=Dv=64, fp32, CPU, forward under inference_mode.
    is_causal=True, qkv causal linear attention (elu), non-causal linear attention.
 2. Causal linear attention at chunk sizes 64, 128, 256, side by side at N=--n.
 3. Causal linear attention at each N of --ns, each in a fresh subprocess: time and peak
-   memory (growth of the resident-set high-water mark during the call, inputs allocated),
+   memory (peak resident memory during the call above that before it, inputs allocated),
    with the exponent of a least-squares fit of log time against log N (1 = linear).
 """
 
@@ -49,14 +49,38 @@ def _call(case: str, q, k, v, chunk: int):
     raise ValueError(f"bench_linear: unknown case {case!r}")
 
 
+def _proc_status_mib(key: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024  # kB
+    raise KeyError(key)
+
+
+def _peak_growth_mib(call) -> float:
+    """Peak resident memory during ``call()`` above the resident memory before it, MiB.
+
+    On Linux the high-water mark is reset first (``/proc/self/clear_refs``), so that the
+    peak of importing torch (larger than a small call's growth) does not hide it; elsewhere
+    the growth of ru_maxrss (which that peak can hide)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current VmRSS
+        before = _proc_status_mib("VmRSS")
+        call()
+        return _proc_status_mib("VmHWM") - before
+    except (OSError, KeyError):
+        before = rss_peak_mib()
+        call()
+        return rss_peak_mib() - before
+
+
 def measure(case: str, n: int, chunk: int, repeat: int) -> dict:
     """Time and peak-memory growth of one case in this (fresh) process."""
     q, k, v = _inputs(n)
     call = _call(case, q, k, v, chunk)
     with torch.inference_mode():
-        before = rss_peak_mib()
-        call()  # warm-up, and the call whose peak we record
-        peak = rss_peak_mib() - before
+        peak = _peak_growth_mib(call)  # also the warm-up
         seconds = median_time(call, repeat=repeat, warmup=0)
     return {"seconds": seconds, "peak_mib": peak}
 
