@@ -11,8 +11,9 @@ Tolerances:
 - fp64, chunked vs recurrent vs quadratic (summation order only): atol 1e-10, rtol 1e-10,
   outputs, final state and gradients of q, k, v;
 - fp32 vs the fp64 quadratic form: atol 1e-5, rtol 1e-5 (inputs ~ N(0, 1), outputs O(1));
-- fp16 inputs at N=8192 vs fp32 on the same (fp16-rounded) inputs: outputs atol 2e-3
-  (one fp16 rounding of an O(1) output), final state rtol 1e-4 (both accumulate in fp32);
+- fp16/bf16 inputs at N=8192 vs fp32 on the same (rounded) inputs: outputs within one
+  rounding (fp16 atol 2e-3; bf16 atol 1e-3, rtol 2^-8), final state rtol 1e-4 (both
+  accumulate in fp32);
 - FAVOR+ vs exact softmax attention (q, k ~ N(0, 1)/D^{1/4}): mean |error| over 4 seeds
   decreases with the number of features and is below 0.015 at m=1024 (measured 0.0075).
 """
@@ -149,9 +150,15 @@ def test_fp32_against_fp64_quadratic(feature_map, causal, gen):
     phi = phi_of(feature_map, fe)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     want = quadratic(q64, k64, v64, phi, causal=causal)
-    got = linear_attention(q, k, v, feature_map=feature_map, features=fe, causal=causal)
-    assert got.dtype == torch.float32
+    got, st = linear_attention(q, k, v, feature_map=feature_map, features=fe, causal=causal,
+                               return_state=True)
+    assert got.dtype == torch.float32 and st.kv.dtype == torch.float32
     close(got, want, "out", **F32)
+    # the state sums 203 terms of size O(1): atol 1e-5 relative to its largest entry
+    for got_s, want_s, name in zip(unscaled(st), state_ref(k64, v64, 4, phi), ("kv", "z"),
+                                   strict=True):
+        scale = want_s.abs().max().item()
+        close(got_s, want_s.detach(), name, atol=1e-5 * scale, rtol=1e-5)
     for g, w, name in zip(grads(got, (q, k, v)), grads(want, (q64, k64, v64)), "qkv",
                           strict=True):
         close(g, w, f"d{name}", **F32)
@@ -176,6 +183,23 @@ def test_noncausal_equals_quadratic(feature_map, n, s, gen):
     kv, z = unscaled(st)
     close(kv, want_kv, "kv", **F64)
     close(z, want_z, "z", **F64)
+
+
+@pytest.mark.parametrize("feature_map", MAPS)
+def test_batch_row_and_strided_layout(feature_map, gen):
+    """A batch row run alone == the same row in the batch (the FAVOR+ key shift is per
+    (batch, head)); inputs stored (B, N, H, D) and viewed (B, H, N, D) == contiguous."""
+    fe = feats(feature_map, 8)
+    kw = dict(feature_map=feature_map, features=fe, causal=True, chunk_size=4)
+    q, k, v = leaves(3, 2, 2, 13, 8, 5, gen=gen)
+    k = (k.detach() * torch.tensor([1.0, 6.0, 0.2], dtype=torch.float64)[:, None, None, None])
+    full = linear_attention(q, k, v, **kw)
+    for i in range(3):
+        alone = linear_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], **kw)
+        close(alone, full[i:i + 1], f"row {i}", **F64)
+    strided = [t.detach().transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+    assert not strided[0].is_contiguous()
+    close(linear_attention(*strided, **kw), full, "strided", **F64)
 
 
 # ------------------------------------------------------------------- state continuation
@@ -296,22 +320,28 @@ def test_favor_large_inputs_stay_finite(gen):
 # ------------------------------------------------------------------ half precision, long
 
 
+HALF_OUT_TOL = {torch.float16: dict(atol=2e-3, rtol=0.0),  # half an fp16 ulp at |out| < 4
+                torch.bfloat16: dict(atol=1e-3, rtol=2 ** -8)}  # one bf16 rounding
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("feature_map", MAPS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_fp16_long_sequence_finite_and_close_to_fp32(feature_map, causal, gen):
-    """N=8192, fp16 inputs scaled ×3: sums of 8192 positive features overflow fp16 (65504)
-    but are kept in fp32. Output in fp16, finite, within atol 2e-3 of the fp32 run on the
-    same values; final state within rtol 1e-4."""
+def test_half_long_sequence_finite_and_close_to_fp32(feature_map, causal, dtype, gen):
+    """N=8192, fp16/bf16 inputs scaled ×3: z sums 8192 positive features to ~15000, where an
+    fp16 accumulator's ulp is 8 (bf16's 64), so the sums are kept in fp32. Output in the
+    input dtype, finite, within one rounding of the fp32 run on the same values
+    (HALF_OUT_TOL); final state (fp32) within rtol 1e-4 of it."""
     n = 8192
-    q, k, v = (randn(1, 2, n, 16, gen=gen) * 3).half(), (randn(1, 2, n, 16, gen=gen) * 3).half(), \
-        randn(1, 2, n, 16, gen=gen).half()
+    q, k = ((randn(1, 2, n, 16, gen=gen) * 3).to(dtype) for _ in range(2))
+    v = randn(1, 2, n, 16, gen=gen).to(dtype)
     fe = feats(feature_map, 16, m=32)
     kw = dict(feature_map=feature_map, features=fe, causal=causal, return_state=True)
     out, st = linear_attention(q, k, v, **kw)
     ref, st32 = linear_attention(q.float(), k.float(), v.float(), **kw)
-    assert out.dtype == torch.float16 and st.kv.dtype == torch.float32
+    assert out.dtype == dtype and st.kv.dtype == torch.float32
     assert torch.isfinite(out).all() and torch.isfinite(st.kv).all()
-    close(out, ref, "out", atol=2e-3, rtol=0)
+    close(out, ref, "out", **HALF_OUT_TOL[dtype])
     close(st.kv, st32.kv, "kv", atol=0, rtol=1e-4)
     close(st.z, st32.z, "z", atol=0, rtol=1e-4)
 
