@@ -10,6 +10,8 @@ Shapes B=1, H=8, D=Dv=64, fp32, CPU, forward under inference_mode.
 3. Causal linear attention at each N of --ns, each in a fresh subprocess: time and peak
    memory (peak resident memory during the call above that before it, inputs allocated),
    with the exponent of a least-squares fit of log time against log N (1 = linear).
+4. Causal linear attention forward + backward (autograd) at two N: time and peak memory
+   (memory per position stays flat: nothing per-position of size D'·Dv is kept).
 """
 
 from __future__ import annotations
@@ -76,8 +78,22 @@ def _peak_growth_mib(call) -> float:
 
 
 def measure(case: str, n: int, chunk: int, repeat: int) -> dict:
-    """Time and peak-memory growth of one case in this (fresh) process."""
+    """Time and peak-memory growth of one case in this (fresh) process; a case ending in
+    " train" runs forward + backward instead of a forward under inference_mode."""
+    train = case.endswith(" train")
     q, k, v = _inputs(n)
+    if train:
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        fwd = _call(case.removesuffix(" train"), q, k, v, chunk)
+
+        def call():
+            fwd().sum().backward()
+            for t in (q, k, v):
+                t.grad = None
+
+        peak = _peak_growth_mib(call)  # also the warm-up
+        seconds = median_time(call, repeat=repeat, warmup=0)
+        return {"seconds": seconds, "peak_mib": peak}
     call = _call(case, q, k, v, chunk)
     with torch.inference_mode():
         peak = _peak_growth_mib(call)  # also the warm-up
@@ -144,6 +160,16 @@ def main(argv: list[str] | None = None) -> None:
     print_table(f"causal linear attention (elu, C={args.chunk}) vs N, fresh process per N; "
                 f"fitted exponent of time vs N: {slope:.2f}",
                 ["N", "seconds", "µs per position", "peak MiB"], rows)
+
+    train_ns = [ns[0], ns[-1]]
+    runs = [peak_growth_in_subprocess("benchmarks.bench_linear", "linear causal train", "--n",
+                                      str(n), "--chunk", str(args.chunk), "--repeats",
+                                      str(args.repeats)) for n in train_ns]
+    rows = [[str(n), f"{r['seconds']:.3f}", f"{r['peak_mib']:.0f}",
+             f"{r['peak_mib'] * 2 ** 20 / n / 1024:.1f}"] for n, r in zip(train_ns, runs,
+                                                                         strict=True)]
+    print_table(f"causal linear attention forward + backward (autograd), C={args.chunk}, fresh "
+                f"process per N", ["N", "seconds", "peak MiB", "KiB per position"], rows)
 
 
 if __name__ == "__main__":
