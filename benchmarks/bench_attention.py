@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from benchmarks._harness import median_time, peak_growth_in_subprocess, print_table, rss_peak_mib
+from benchmarks._harness import median_time, peak_growth_in_subprocess, peak_growth_mib, print_table
 
 CASES = {
     "sdpa causal (torch)": "torch SDPA, is_causal=True",
@@ -56,9 +56,7 @@ def measure(case: str, n: int, repeat: int, train: bool) -> dict:
             with torch.inference_mode():
                 call()
 
-    before = rss_peak_mib()
-    step()  # warm-up, and the call whose peak we record
-    peak = rss_peak_mib() - before
+    peak = peak_growth_mib(step)  # warm-up, and the call whose peak we record
     return {"seconds": median_time(step, repeat=repeat, warmup=0), "peak_mib": peak}
 
 

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from benchmarks._harness import (
     median_time,
     peak_growth_in_subprocess,
+    peak_growth_mib,
     print_table,
-    rss_peak_mib,
     side_by_side,
 )
 from qkv.ops.linear import linear_attention
@@ -51,32 +51,6 @@ def _call(case: str, q, k, v, chunk: int):
     raise ValueError(f"bench_linear: unknown case {case!r}")
 
 
-def _proc_status_mib(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024  # kB
-    raise KeyError(key)
-
-
-def _peak_growth_mib(call) -> float:
-    """Peak resident memory during ``call()`` above the resident memory before it, MiB.
-
-    On Linux the high-water mark is reset first (``/proc/self/clear_refs``), so that the
-    peak of importing torch (larger than a small call's growth) does not hide it; elsewhere
-    the growth of ru_maxrss (which that peak can hide)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current VmRSS
-        before = _proc_status_mib("VmRSS")
-        call()
-        return _proc_status_mib("VmHWM") - before
-    except (OSError, KeyError):
-        before = rss_peak_mib()
-        call()
-        return rss_peak_mib() - before
-
-
 def measure(case: str, n: int, chunk: int, repeat: int) -> dict:
     """Time and peak-memory growth of one case in this (fresh) process; a case ending in
     " train" runs forward + backward instead of a forward under inference_mode."""
@@ -91,12 +65,12 @@ def measure(case: str, n: int, chunk: int, repeat: int) -> dict:
             for t in (q, k, v):
                 t.grad = None
 
-        peak = _peak_growth_mib(call)  # also the warm-up
+        peak = peak_growth_mib(call)  # also the warm-up
         seconds = median_time(call, repeat=repeat, warmup=0)
         return {"seconds": seconds, "peak_mib": peak}
     call = _call(case, q, k, v, chunk)
     with torch.inference_mode():
-        peak = _peak_growth_mib(call)  # also the warm-up
+        peak = peak_growth_mib(call)  # also the warm-up
         seconds = median_time(call, repeat=repeat, warmup=0)
     return {"seconds": seconds, "peak_mib": peak}
 

@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from benchmarks._harness import median_time, peak_growth_in_subprocess, print_table, rss_peak_mib
+from benchmarks._harness import median_time, peak_growth_in_subprocess, peak_growth_mib, print_table
 
 CASES = {
     "dense causal SDPA (torch)": None,
@@ -69,9 +69,7 @@ def measure(case: str, n: int, train: bool) -> dict:
             with torch.inference_mode():
                 call()
 
-    before = rss_peak_mib()
-    step()
-    peak = rss_peak_mib() - before
+    peak = peak_growth_mib(step)
     return {"seconds": median_time(step, repeat=1, warmup=0), "peak_mib": peak}
 
 
