@@ -392,10 +392,11 @@ def test_load_tokenizer(tmp_path):
 # ------------------------------------------------------------------------------ errors
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"input_ids": torch.tensor([[1, V]])}, r"input_ids holds 101, outside \[0, 101\)"),
-    ({"input_ids": torch.tensor([[1, -1]])}, r"input_ids holds -1"),
+    ({"input_ids": torch.tensor([[1, V]])}, r"input_ids holds token id 101, outside \[0, 101\)"),
+    ({"input_ids": torch.tensor([[1, -1]])}, r"input_ids holds token id -1"),
     ({"input_ids": torch.ones(1, MAXLEN + 1, dtype=torch.long)}, "exceeds max_len=64"),
-    ({"token_type_ids": torch.tensor([[0, 2]])}, r"token_type_ids holds 2.*type_vocab_size"),
+    ({"token_type_ids": torch.tensor([[0, 2]])},
+     r"token_type_ids holds token id 2.*type_vocab_size"),
     ({"token_type_ids": torch.tensor([[0, 1, 1]])}, r"token_type_ids must have shape"),
     ({"attention_mask": torch.ones(1, 3)}, r"attention_mask must have shape"),
     ({"input_ids": torch.ones(2, 3)}, r"input_ids must be an integer tensor"),

@@ -431,9 +431,9 @@ def test_rope_model_has_no_position_table():
 
 def test_bad_token_ids():
     model = _tiny()
-    with pytest.raises(ValueError, match=r"token id 97 .*vocab_size=97"):
+    with pytest.raises(ValueError, match=r"token id 97, .*vocab_size=97"):
         model(torch.tensor([[1, 97, 3]]))
-    with pytest.raises(ValueError, match=r"token id -1 .*vocab_size=97"):
+    with pytest.raises(ValueError, match=r"token id -1, .*vocab_size=97"):
         model(torch.tensor([[1, -1, 3]]))
 
 

@@ -426,11 +426,11 @@ def test_presets_match_the_paper():
 def test_bad_inputs_raise_clear_errors():
     model = tiny(positions="sinusoidal")  # max_len 64
     src, tgt = tokens(2, 5), tokens(2, 4)
-    with pytest.raises(ValueError, match=r"src holds token id 32 outside \[0, 32\)"):
+    with pytest.raises(ValueError, match=r"src holds token id 32, outside \[0, 32\)"):
         model(src.clone().fill_(32), tgt)
     with pytest.raises(ValueError, match="tgt holds token id -1"):
         model(src, tgt.clone().fill_(-1))
-    with pytest.raises(ValueError, match="integer tensor"):
+    with pytest.raises(TypeError, match="integer tensor"):
         model(src.float(), tgt)
     with pytest.raises(ValueError, match="batch sizes differ"):
         model(src, tokens(3, 4))

@@ -54,6 +54,7 @@ from .hub import (
     load_tokenizer,
     read_json,
 )
+from .inputs import check_token_ids
 
 __all__ = ["BERT", "BERTConfig", "BERTOutput", "key_padding_mask", "load_tokenizer",
            "mean_pool"]
@@ -221,23 +222,6 @@ class BERT(PretrainedMixin, nn.Module):
             nn.init.zeros_(self.mlm.bias)
 
     # --- input checks -------------------------------------------------------------------
-    def _check_ids(self, name: str, t: Any, shape: tuple[int, ...] | None, limit: int,
-                   what: str) -> Tensor:
-        if not isinstance(t, Tensor) or t.dtype.is_floating_point or t.dtype.is_complex \
-                or t.dtype == torch.bool:
-            got = t.dtype if isinstance(t, Tensor) else type(t).__name__
-            raise TypeError(f"BERT: {name} must be an integer tensor, got {got}")
-        if t.dim() != 2 or (shape is not None and tuple(t.shape) != shape):
-            want = "(B, N)" if shape is None else f"(B, N) = {shape}"
-            raise ValueError(f"BERT: {name} must have shape {want}, got {tuple(t.shape)}")
-        if t.numel():
-            lo, hi = torch.aminmax(t)
-            lo, hi = int(lo), int(hi)
-            if lo < 0 or hi >= limit:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"BERT: {name} holds {bad}, outside [0, {limit}) ({what})")
-        return t
-
     # --- forward ------------------------------------------------------------------------
     def embed(self, input_ids: Tensor, token_type_ids: Tensor | None = None,
               position_ids: Tensor | None = None) -> Tensor:
@@ -277,8 +261,7 @@ class BERT(PretrainedMixin, nn.Module):
             longer than ``max_len``, mismatched shapes.
         """
         c = self.config
-        ids = self._check_ids("input_ids", input_ids, None, c.vocab_size,
-                              f"vocab_size={c.vocab_size}")
+        ids = check_token_ids("BERT", "input_ids", input_ids, c.vocab_size, "vocab_size")
         b, n = ids.shape
         if n > c.max_len:
             raise ValueError(f"BERT: sequence length N={n} exceeds max_len={c.max_len} "
@@ -286,8 +269,8 @@ class BERT(PretrainedMixin, nn.Module):
         if n == 0:
             raise ValueError(f"BERT: input_ids is empty, shape {tuple(ids.shape)}")
         if token_type_ids is not None:
-            self._check_ids("token_type_ids", token_type_ids, (b, n), c.type_vocab_size,
-                            f"type_vocab_size={c.type_vocab_size}")
+            check_token_ids("BERT", "token_type_ids", token_type_ids, c.type_vocab_size,
+                            "type_vocab_size", shape=(b, n))
         mask = None
         if attention_mask is not None:
             if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (b, n):

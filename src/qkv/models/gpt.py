@@ -33,6 +33,7 @@ from ..modules.norms import LayerNorm, RMSNorm, make_norm
 from ..modules.positions import Learned, RoPE, positions_from_mask
 from ..ops.masks import Padding
 from .hub import ModelConfig, PretrainedMixin, load_tokenizer
+from .inputs import check_token_ids
 
 __all__ = ["GPT", "GPTConfig", "GPTOutput", "load_tokenizer"]
 
@@ -274,26 +275,6 @@ class GPT(PretrainedMixin, nn.Module):
                 for layer in self.layers]
 
     # --- validation ---------------------------------------------------------------------------
-    def _check_ids(self, input_ids: Any) -> None:
-        if not isinstance(input_ids, Tensor):
-            raise TypeError(f"GPT: input_ids must be a torch.Tensor (B, N) of token ids, got "
-                            f"{type(input_ids).__name__}")
-        if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8,
-                                   torch.int8):
-            raise TypeError(f"GPT: input_ids must be an integer tensor (token ids), got dtype "
-                            f"{input_ids.dtype}")
-        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-            raise ValueError(f"GPT: input_ids must have shape (B, N) with N >= 1, got "
-                             f"{_shape(input_ids)}")
-        if input_ids.numel():
-            lo, hi = torch.aminmax(input_ids)
-            lo, hi = int(lo), int(hi)
-            vocab = self.config.vocab_size
-            if lo < 0 or hi >= vocab:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"GPT: token id {bad} is out of range for vocab_size={vocab} "
-                                 f"(ids must lie in [0, {vocab}))")
-
     def _check_cache(self, cache: Any, batch: int) -> int:
         if cache is None:
             return 0
@@ -330,7 +311,7 @@ class GPT(PretrainedMixin, nn.Module):
                       output_attentions: bool = False) -> tuple[Tensor, list[Tensor]]:
         """The final-normed hidden states (B, N, C) and, with ``output_attentions``, the list
         of per-layer weights (B, H, N, S) (else an empty list). Arguments as ``forward``."""
-        self._check_ids(input_ids)
+        check_token_ids("GPT", "input_ids", input_ids, self.config.vocab_size, "vocab_size")
         if input_ids.dtype not in (torch.int64, torch.int32):  # what nn.Embedding takes
             input_ids = input_ids.long()
         batch, n = input_ids.shape

@@ -43,6 +43,7 @@ from ..modules.norms import LayerNorm, RMSNorm
 from ..modules.positions import positions_from_mask
 from ..ops.masks import Padding
 from .hub import PretrainedMixin
+from .inputs import check_token_ids
 from .transformer_config import TransformerConfig, build_positions, embedding_scale
 
 __all__ = ["Transformer", "TransformerConfig", "TransformerOutput"]
@@ -71,22 +72,6 @@ class TransformerOutput:
 
 def _shape(t: object) -> object:
     return tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-
-
-def _check_ids(name: str, ids: object, vocab: int, vocab_name: str) -> Tensor:
-    if (not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex
-            or ids.dtype == torch.bool):
-        got = ids.dtype if isinstance(ids, Tensor) else type(ids).__name__
-        raise ValueError(f"Transformer: {name} must be an integer tensor of token ids, got {got}")
-    if ids.dim() != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
-        raise ValueError(f"Transformer: {name} must be (B, L) token ids with B, L >= 1, "
-                         f"got shape {_shape(ids)}")
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= vocab:
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"Transformer: {name} holds token id {bad} outside "
-                         f"[0, {vocab}) ({vocab_name}={vocab})")
-    return ids
 
 
 def _norm(config: TransformerConfig, factory: dict) -> nn.Module:
@@ -296,7 +281,7 @@ class Transformer(PretrainedMixin, nn.Module):
     def _encode(self, src: Tensor, src_lengths: Tensor | None, src_mask: Tensor | None,
                 need_weights: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
         c = self.config
-        src = _check_ids("src", src, c.src_vocab_size, "src_vocab_size")
+        src = check_token_ids("Transformer", "src", src, c.src_vocab_size, "src_vocab_size")
         b, s = src.shape
         if src_lengths is None and src_mask is None:
             src_mask = src != c.pad_id
@@ -376,7 +361,7 @@ class Transformer(PretrainedMixin, nn.Module):
     def _decode_hidden(self, tgt, memory, *, memory_mask, memory_kv, tgt_lengths, tgt_mask,
                        cache, need_weights):
         c = self.config
-        tgt = _check_ids("tgt", tgt, c.tgt_vocab_size, "tgt_vocab_size")
+        tgt = check_token_ids("Transformer", "tgt", tgt, c.tgt_vocab_size, "tgt_vocab_size")
         b, n = tgt.shape
         if (memory is None) == (memory_kv is None):
             raise ValueError("Transformer.decode: give exactly one of memory (B, S, C) or "
