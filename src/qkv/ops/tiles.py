@@ -47,20 +47,50 @@ class TileProblem:
             yield i0, min(self.n, i0 + self.block_q)
 
     def key_blocks(self, i0: int, i1: int):
-        """Yields (j0, j1, tile_mask) over the live key tiles of queries i0:i1."""
+        """Yields (keys, key_positions, tile_mask, j0) over the live key tiles of queries
+        i0:i1; ``keys`` is a slice, or for block-sparse masks (``mask.tile``) one index
+        tensor gathering every live key block of the query block into a single tile."""
         lo, hi = (0, self.s) if self.mask is None else self.mask.key_range(i0, i1, self.n, self.s)
+        live = []
         for j0 in range(lo, hi, self.block_k):
             j1 = min(hi, j0 + self.block_k)
             blk = True if self.mask is None else self.mask.block(
                 i0, i1, j0, j1, self.n, self.s, self.device)
-            if blk is not False:
-                yield j0, j1, blk
+            if blk is False:
+                continue
+            if self.mask is None or self.mask.tile is None:
+                yield slice(j0, j1), torch.arange(j0, j1, device=self.device), blk, j0
+            else:
+                live.append((j0, j1, blk))
+        if len(live) == 1:
+            j0, j1, blk = live[0]
+            yield slice(j0, j1), torch.arange(j0, j1, device=self.device), blk, j0
+        elif live:
+            idx = torch.cat([torch.arange(j0, j1, device=self.device) for j0, j1, _ in live])
+            yield idx, idx, _cat_blocks(live, i1 - i0), live[0][0]
 
 
-def _bias_tile(bias: Tensor, i0: int, i1: int, j0: int, j1: int) -> Tensor:
+def _cat_blocks(live: list, n: int):
+    """Concatenate tile masks (True or bool tensors) along the keys."""
+    if all(blk is True for _, _, blk in live):
+        return True
+    tensors = [blk for _, _, blk in live if blk is not True]
+    b = max(t.shape[0] for t in tensors)
+    h = max(t.shape[1] for t in tensors)
+    device = tensors[0].device
+    parts = [torch.ones(b, h, n, j1 - j0, dtype=torch.bool, device=device) if blk is True
+             else blk.expand(b, h, n, j1 - j0) for j0, j1, blk in live]
+    return torch.cat(parts, dim=-1)
+
+
+def _bias_cols(bias: Tensor, i0: int, i1: int, keys) -> tuple[slice, slice | Tensor]:
     rows = slice(i0, i1) if bias.shape[-2] != 1 else slice(None)
-    cols = slice(j0, j1) if bias.shape[-1] != 1 else slice(None)
-    return bias[..., rows, cols]
+    return rows, keys if bias.shape[-1] != 1 else slice(None)
+
+
+def _bias_tile(bias: Tensor, i0: int, i1: int, keys) -> Tensor:
+    rows, cols = _bias_cols(bias, i0, i1, keys)
+    return bias[..., rows, :][..., cols]
 
 
 def _dropout_keep(prob: TileProblem, i0: int, j0: int, shape, device) -> Tensor:
@@ -70,12 +100,12 @@ def _dropout_keep(prob: TileProblem, i0: int, j0: int, shape, device) -> Tensor:
     return torch.rand(shape, generator=gen, device=device) >= prob.dropout_p
 
 
-def _scores(prob: TileProblem, qt: Tensor, kt: Tensor, i0, i1, j0, j1, blk,
+def _scores(prob: TileProblem, qt: Tensor, kt: Tensor, i0, i1, keys, blk,
             producer_bias: Tensor | None) -> Tensor:
     """Logits of one tile, (B, H, n, s), -inf where masked."""
     scores = torch.matmul(qt, kt.transpose(-2, -1)) * prob.scale  # (B, H, n, s)
     if prob.bias is not None:
-        scores = scores + _bias_tile(prob.bias, i0, i1, j0, j1).to(scores.dtype)
+        scores = scores + _bias_tile(prob.bias, i0, i1, keys).to(scores.dtype)
     if producer_bias is not None:
         scores = scores + producer_bias
     if blk is not True:
@@ -101,14 +131,13 @@ def tiles_forward(prob: TileProblem, q: Tensor, k: Tensor, v: Tensor,
         m = torch.full((batch, heads, i1 - i0), float("-inf"), dtype=cdt, device=q.device)
         total = torch.zeros_like(m)
         acc = torch.zeros(batch, heads, i1 - i0, dv, dtype=cdt, device=q.device)
-        for j0, j1, blk in prob.key_blocks(i0, i1):
-            kt, vt = k[:, :, j0:j1].to(cdt), v[:, :, j0:j1].to(cdt)
-            kpos = torch.arange(j0, j1, device=q.device)
+        for keys, kpos, blk, j0 in prob.key_blocks(i0, i1):
+            kt, vt = k[:, :, keys].to(cdt), v[:, :, keys].to(cdt)
             pbias = None
             if prod is not None:
                 pbias = prod.score_bias(qpos, kpos, q=qt if prod.needs_query else None,
                                         scale=prob.scale).to(cdt)
-            scores = _scores(prob, qt, kt, i0, i1, j0, j1, blk, pbias)
+            scores = _scores(prob, qt, kt, i0, i1, keys, blk, pbias)
             m_new = torch.maximum(m, scores.amax(dim=-1))
             m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
             alpha = torch.exp(m - m_safe)  # 0 where m was -inf
@@ -158,16 +187,15 @@ def tiles_backward(prob: TileProblem, q: Tensor, k: Tensor, v: Tensor, d_out: Te
         delta_t = delta[:, :, i0:i1, None]
         qpos = query_positions(i0, i1, prob.n, prob.s, q.device)
         dq_t = torch.zeros_like(qt)
-        for j0, j1, blk in prob.key_blocks(i0, i1):
-            kt, vt = k[:, :, j0:j1].to(cdt), v[:, :, j0:j1].to(cdt)
-            kpos = torch.arange(j0, j1, device=q.device)
+        for keys, kpos, blk, j0 in prob.key_blocks(i0, i1):
+            kt, vt = k[:, :, keys].to(cdt), v[:, :, keys].to(cdt)
             pbias = q_leaf = None
             if prod is not None:
                 with torch.enable_grad():
                     q_leaf = qt.detach().requires_grad_(want_q_for_prod)
                     pbias = prod.score_bias(qpos, kpos, q=q_leaf if want_q_for_prod else None,
                                             scale=prob.scale).to(cdt)
-            scores = _scores(prob, qt, kt, i0, i1, j0, j1, blk,
+            scores = _scores(prob, qt, kt, i0, i1, keys, blk,
                              None if pbias is None else pbias.detach())
             p = torch.exp(scores - lse_t)  # (B, H, n, s), globally normalised
             keep = None
@@ -175,7 +203,7 @@ def tiles_backward(prob: TileProblem, q: Tensor, k: Tensor, v: Tensor, d_out: Te
             if prob.dropout_p > 0.0:
                 keep = _dropout_keep(prob, i0, j0, p.shape, q.device)
                 w = p * keep / (1.0 - prob.dropout_p)
-            grads["v"][:, :, j0:j1] += torch.matmul(w.transpose(-2, -1), dot)
+            grads["v"][:, :, keys] += torch.matmul(w.transpose(-2, -1), dot)
             dp = torch.matmul(dot, vt.transpose(-2, -1))  # (B, H, n, s)
             if prod is not None and prod.has_value_term:
                 with torch.enable_grad():
@@ -188,12 +216,10 @@ def tiles_backward(prob: TileProblem, q: Tensor, k: Tensor, v: Tensor, d_out: Te
                 dp = dp * keep / (1.0 - prob.dropout_p)
             ds = p * (dp - delta_t)  # (B, H, n, s): gradient of the logits
             dq_t += torch.matmul(ds, kt) * prob.scale
-            grads["k"][:, :, j0:j1] += torch.matmul(ds.transpose(-2, -1), qt) * prob.scale
+            grads["k"][:, :, keys] += torch.matmul(ds.transpose(-2, -1), qt) * prob.scale
             if "bias" in grads:
-                b = prob.bias
-                rows = slice(i0, i1) if b.shape[-2] != 1 else slice(None)
-                cols = slice(j0, j1) if b.shape[-1] != 1 else slice(None)
-                tile_shape = _bias_tile(b, i0, i1, j0, j1).shape
+                rows, cols = _bias_cols(prob.bias, i0, i1, keys)
+                tile_shape = _bias_tile(prob.bias, i0, i1, keys).shape
                 grads["bias"][..., rows, cols] += _reduce_to(ds, tile_shape)
             if pbias is not None and (want_params or want_q_for_prod):
                 inputs = ([q_leaf] if want_q_for_prod else []) + list(params)
