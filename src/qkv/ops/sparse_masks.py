@@ -100,6 +100,14 @@ class BlockSparse(Mask):
                 raise ValueError(f"BlockSparse: layout dim {name} is {got}, attention has "
                                  f"{full}")
 
+    def live_key_tiles(self, i0: int, i1: int, n: int, s: int) -> list[tuple[int, int]]:
+        """Key ranges [j0, j1) of the blocks that queries i0:i1 may attend (any batch/head),
+        read off the layout without visiting dead blocks."""
+        bs = self.block_size
+        row = self.layout[..., i0 // bs:(i1 - 1) // bs + 1, :].reshape(-1, self.layout.shape[-1])
+        cols = row.any(dim=0).nonzero().squeeze(1).tolist()
+        return [(c * bs, min(s, (c + 1) * bs)) for c in cols]
+
     def block(self, i0, i1, j0, j1, n, s, device):
         bs = self.block_size
         sub = self.layout[..., i0 // bs:(i1 - 1) // bs + 1, j0 // bs:(j1 - 1) // bs + 1]
@@ -207,6 +215,10 @@ class BigBird(Mask):
         if (n, s) not in self._cache:
             self._cache[(n, s)] = BlockSparse(self.layout(n, s), self.block_size)
         return self._cache[(n, s)]
+
+    def live_key_tiles(self, i0: int, i1: int, n: int, s: int) -> list[tuple[int, int]]:
+        """Key ranges of the live blocks of queries i0:i1 (see ``BlockSparse``)."""
+        return self._sparse(n, s).live_key_tiles(i0, i1, n, s)
 
     def block(self, i0, i1, j0, j1, n, s, device):
         blk = self._sparse(n, s).block(i0, i1, j0, j1, n, s, device)

@@ -52,8 +52,12 @@ class TileProblem:
         tensor gathering every live key block of the query block into a single tile."""
         lo, hi = (0, self.s) if self.mask is None else self.mask.key_range(i0, i1, self.n, self.s)
         live = []
-        for j0 in range(lo, hi, self.block_k):
-            j1 = min(hi, j0 + self.block_k)
+        candidates = [(j0, min(hi, j0 + self.block_k)) for j0 in range(lo, hi, self.block_k)]
+        only = getattr(self.mask, "live_key_tiles", None)
+        if only is not None and self.block_k == self.mask.tile:  # skip dead blocks unseen
+            candidates = [(j0, j1) for j0, j1 in only(i0, i1, self.n, self.s)
+                          if j0 < hi and j1 > lo]
+        for j0, j1 in candidates:
             blk = True if self.mask is None else self.mask.block(
                 i0, i1, j0, j1, self.n, self.s, self.device)
             if blk is False:
