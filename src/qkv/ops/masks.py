@@ -256,6 +256,15 @@ class And(Mask):
     def tile(self) -> int | None:
         return next((p.tile for p in self.parts if p.tile is not None), None)
 
+    def live_key_tiles(self, i0: int, i1: int, n: int, s: int) -> list[tuple[int, int]] | None:
+        """A block-sparse part's live key blocks (the other parts only narrow them further,
+        which ``block`` applies); None when no part lists its blocks."""
+        for p in self.parts:
+            tiles = getattr(p, "live_key_tiles", None)
+            if tiles is not None:
+                return tiles(i0, i1, n, s)
+        return None
+
     def key_range(self, i0, i1, n, s):
         lo, hi = 0, s
         for p in self.parts:

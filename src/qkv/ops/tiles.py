@@ -53,10 +53,11 @@ class TileProblem:
         lo, hi = (0, self.s) if self.mask is None else self.mask.key_range(i0, i1, self.n, self.s)
         live = []
         candidates = [(j0, min(hi, j0 + self.block_k)) for j0 in range(lo, hi, self.block_k)]
-        only = getattr(self.mask, "live_key_tiles", None)
-        if only is not None and self.block_k == self.mask.tile:  # skip dead blocks unseen
-            candidates = [(j0, j1) for j0, j1 in only(i0, i1, self.n, self.s)
-                          if j0 < hi and j1 > lo]
+        lister = getattr(self.mask, "live_key_tiles", None)
+        listed = (lister(i0, i1, self.n, self.s)
+                  if lister is not None and self.block_k == self.mask.tile else None)
+        if listed is not None:  # block-sparse: dead blocks are never visited
+            candidates = [(j0, j1) for j0, j1 in listed if j0 < hi and j1 > lo]
         for j0, j1 in candidates:
             blk = True if self.mask is None else self.mask.block(
                 i0, i1, j0, j1, self.n, self.s, self.device)
