@@ -11,6 +11,7 @@ import math
 from torch import Tensor
 
 from .bias import BiasProducer
+from .checks import check_qkv, shape_of
 from .chunked import chunked_attention
 from .masks import And, Causal, Mask, Padding, as_mask
 from .reference import reference_attention
@@ -26,40 +27,11 @@ class NoBackendError(ValueError):
     """No backend can serve the request; the message lists each backend's reason."""
 
 
-def _shape(t: Tensor) -> tuple[int, ...]:
-    return tuple(t.shape)
-
-
 def _validate(q: Tensor, k: Tensor, v: Tensor, bias, scale, dropout_p, backend) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(
-                f"attention: {name} must be 4-D (B, H, N/S, D), got shape {_shape(t)}")
-        if not t.dtype.is_floating_point:
-            raise TypeError(f"attention: {name} must be a floating tensor, got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"attention: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"attention: q, k, v devices differ: {q.device}, {k.device}, {v.device}")
-    b, h, _, d = q.shape
-    if k.shape[0] != b or v.shape[0] != b:
-        raise ValueError(f"attention: batch sizes differ: q {_shape(q)}, k {_shape(k)}, "
-                         f"v {_shape(v)}")
-    if k.shape[1] != v.shape[1]:
-        raise ValueError(f"attention: k and v must have the same heads Hkv: k {_shape(k)}, "
-                         f"v {_shape(v)}")
-    if k.shape[1] == 0 or h % k.shape[1] != 0:
-        raise ValueError(f"attention: query heads H={h} must be a multiple of key/value heads "
-                         f"Hkv={k.shape[1]}")
-    if k.shape[2] != v.shape[2]:
-        raise ValueError(f"attention: k and v must have the same length S: k {_shape(k)}, "
-                         f"v {_shape(v)}")
-    if k.shape[3] != d:
-        raise ValueError(f"attention: q and k head dims differ: q {_shape(q)}, k {_shape(k)}")
+    check_qkv("attention", q, k, v)
+    b, h, d = q.shape[0], q.shape[1], q.shape[3]
     if k.shape[2] == 0 or d == 0:
-        raise ValueError(f"attention: empty keys or head dim: k {_shape(k)}")
+        raise ValueError(f"attention: empty keys or head dim: k {shape_of(k)}")
     if isinstance(bias, Tensor):
         if not bias.dtype.is_floating_point:
             raise TypeError(f"attention: bias must be a float tensor (additive), got "
@@ -67,7 +39,7 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, bias, scale, dropout_p, backend) 
         if bias.dim() > 4 or any(
                 g not in (1, w) for g, w in zip(bias.shape[::-1], (k.shape[2], q.shape[2], h, b),
                                                 strict=False)):
-            raise ValueError(f"attention: bias shape {_shape(bias)} is not broadcastable to "
+            raise ValueError(f"attention: bias shape {shape_of(bias)} is not broadcastable to "
                              f"(B, H, N, S) = {(b, h, q.shape[2], k.shape[2])}")
     elif isinstance(bias, BiasProducer):
         if bias.num_heads is not None and bias.num_heads != h:
@@ -87,6 +59,16 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, bias, scale, dropout_p, backend) 
     if backend not in (*BACKENDS, "auto"):
         raise ValueError(f"attention: backend must be one of {('auto', *BACKENDS)}, "
                          f"got {backend!r}")
+
+
+def _full_mask(mask, causal: bool, q: Tensor, k: Tensor) -> Mask | None:
+    """The user's ``mask`` with ``causal`` folded in, validated against (B, H, N, S)."""
+    mask = as_mask(mask)
+    if causal:
+        mask = Causal() if mask is None else Causal() & mask
+    if mask is not None:
+        mask.validate(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    return mask
 
 
 def _clear_padding(k: Tensor, v: Tensor, mask: Mask | None) -> tuple[Tensor, Tensor]:
@@ -152,11 +134,7 @@ def attention(
         backend's reason when none can serve.
     """
     _validate(q, k, v, bias, scale, dropout_p, backend)
-    mask = as_mask(mask)
-    if causal:
-        mask = Causal() if mask is None else Causal() & mask
-    if mask is not None:
-        mask.validate(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    mask = _full_mask(mask, causal, q, k)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     scale = float(scale)
@@ -201,10 +179,6 @@ def explain(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, causal: bo
 
     Arguments as for ``attention``; invalid requests raise as ``attention`` would."""
     _validate(q, k, v, bias, None, 0.0, "auto")
-    mask = as_mask(mask)
-    if causal:
-        mask = Causal() if mask is None else Causal() & mask
-    if mask is not None:
-        mask.validate(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    mask = _full_mask(mask, causal, q, k)
     return {name: _refusal(name, q, k, v, mask, bias) for name in BACKENDS}
 

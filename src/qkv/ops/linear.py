@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .checks import check_qkv, shape_of
 from .reference import compute_dtype, expand_kv
 
 __all__ = [
@@ -129,39 +130,11 @@ class FavorFeatures:
 # --------------------------------------------------------------------------- validation
 
 
-def _shape(t: Tensor) -> tuple[int, ...]:
-    return tuple(t.shape)
-
-
 def _validate(fn: str, q, k, v, feature_map, features, eps, state) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{fn}: {name} must be 4-D (B, H, N/S, D), got shape {_shape(t)}")
-        if not t.dtype.is_floating_point:
-            raise TypeError(f"{fn}: {name} must be a floating tensor, got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"{fn}: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"{fn}: q, k, v devices differ: {q.device}, {k.device}, {v.device}")
+    check_qkv(fn, q, k, v)
     b, h, _, d = q.shape
-    if k.shape[0] != b or v.shape[0] != b:
-        raise ValueError(f"{fn}: batch sizes differ: q {_shape(q)}, k {_shape(k)}, "
-                         f"v {_shape(v)}")
-    if k.shape[1] != v.shape[1]:
-        raise ValueError(f"{fn}: k and v must have the same heads Hkv: k {_shape(k)}, "
-                         f"v {_shape(v)}")
-    if k.shape[1] == 0 or h % k.shape[1] != 0:
-        raise ValueError(f"{fn}: query heads H={h} must be a multiple of key/value heads "
-                         f"Hkv={k.shape[1]}")
-    if k.shape[2] != v.shape[2]:
-        raise ValueError(f"{fn}: k and v must have the same length S: k {_shape(k)}, "
-                         f"v {_shape(v)}")
-    if k.shape[3] != d:
-        raise ValueError(f"{fn}: q and k head dims differ: q {_shape(q)}, k {_shape(k)}")
     if d == 0 or v.shape[3] == 0:
-        raise ValueError(f"{fn}: empty head dim: q {_shape(q)}, v {_shape(v)}")
+        raise ValueError(f"{fn}: empty head dim: q {shape_of(q)}, v {shape_of(v)}")
     if feature_map not in FEATURE_MAPS:
         raise ValueError(f"{fn}: feature_map must be one of {FEATURE_MAPS}, got {feature_map!r}")
     if feature_map == "favor":
@@ -181,15 +154,16 @@ def _validate(fn: str, q, k, v, feature_map, features, eps, state) -> None:
             raise TypeError(f"{fn}: state must be a LinearState, got {type(state).__name__}")
         fdim = d if feature_map == "elu" else features.num_features
         want_kv, want_z = (b, h, fdim, v.shape[3]), (b, h, fdim)
-        if _shape(state.kv) != want_kv or _shape(state.z) != want_z:
-            raise ValueError(f"{fn}: state shapes kv {_shape(state.kv)}, z {_shape(state.z)} "
+        if shape_of(state.kv) != want_kv or shape_of(state.z) != want_z:
+            raise ValueError(f"{fn}: state shapes kv {shape_of(state.kv)}, "
+                             f"z {shape_of(state.z)} "
                              f"do not match (B, H, D', Dv) = {want_kv}, (B, H, D') = {want_z}")
         if state.log_scale is not None and feature_map == "elu":
             raise ValueError(f"{fn}: state has a log_scale (a FAVOR+ state) but "
                              f"feature_map='elu'; continue with the feature map it was built with")
-        if state.log_scale is not None and _shape(state.log_scale) != (b, h):
+        if state.log_scale is not None and shape_of(state.log_scale) != (b, h):
             raise ValueError(f"{fn}: state.log_scale must be (B, H) = {(b, h)}, got "
-                             f"{_shape(state.log_scale)}")
+                             f"{shape_of(state.log_scale)}")
 
 
 # ----------------------------------------------------------------------------- features
@@ -376,7 +350,7 @@ def linear_attention_step(
     _validate(fn, q_t, k_t, v_t, feature_map, features, eps, state)
     if q_t.shape[2] != 1 or k_t.shape[2] != 1:
         raise ValueError(f"{fn}: q_t and k_t must hold one position (B, H, 1, D), got "
-                         f"q_t {_shape(q_t)}, k_t {_shape(k_t)}")
+                         f"q_t {shape_of(q_t)}, k_t {shape_of(k_t)}")
     heads, dv = q_t.shape[1], v_t.shape[3]
     cdt = compute_dtype(q_t.dtype)
     prior = None if state is None else state.log_scale
