@@ -10,15 +10,19 @@ from qkv.cli import main
 
 
 def test_demo_runs_and_backends_agree(capsys):
-    assert main(["demo", "--length", "300"]) == 0
+    assert main(["demo", "tour", "--length", "300"]) == 0
     out = capsys.readouterr().out
     errors = [float(e) for e in re.findall(r"max \|error\| vs fp64 reference = (\S+)", out)]
     assert len(errors) == 3 and max(errors) < 5e-5  # fp32 vs fp64 bar
     assert out.count("output finite: True") == 3
 
 
-def test_bad_argument_is_a_usage_error(capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(["demo", "--length", "0"])
-    assert exc.value.code == 2
+def test_bad_argument_is_one_line_not_a_traceback(capsys):
+    assert main(["demo", "tour", "--length", "0"]) == 2
     assert "--length must be >= 1" in capsys.readouterr().err
+
+
+def test_unknown_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["no-such-command"])
+    assert exc.value.code == 2

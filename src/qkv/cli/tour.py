@@ -1,17 +1,14 @@
-"""The ``qkv`` command line.
-
-For now: ``qkv demo`` runs a short tour of the attention core (masks, backends agreeing,
-relative positions at a long length in O(N) memory). Later issues add train/generate.
-"""
+"""``qkv demo tour``: a short tour of the attention core (masks, backends agreeing with an
+fp64 reference, relative positions at a long length in O(N) memory)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 
-def _demo(args: argparse.Namespace) -> int:
+def run_tour(args: argparse.Namespace) -> int:
+    """Print the tour; ``args.length`` is the relative-position part's sequence length."""
     import torch
 
     import qkv
@@ -51,22 +48,3 @@ def _demo(args: argparse.Namespace) -> int:
                   f" — an N×S fp32 bias alone would take {8 * n_long * n_long * 4 / 2**30:.1f}"
                   f" GiB")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``qkv`` console script."""
-    parser = argparse.ArgumentParser(prog="qkv", description="qkv: attention and Transformers.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="a short tour of the attention core",
-                          description="A short tour of the attention core. Example: qkv demo")
-    demo.add_argument("--length", type=int, default=8192,
-                      help="sequence length of the relative-position part (default 8192)")
-    demo.set_defaults(func=_demo)
-    args = parser.parse_args(argv)
-    if getattr(args, "length", 1) < 1:
-        parser.error("--length must be >= 1")
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
