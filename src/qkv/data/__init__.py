@@ -1,0 +1,32 @@
+"""Data for training: embedded tasks, tokenizers and data files.
+
+Shapes: B batch, N padded sequence length.
+
+- Tasks (``qkv.data.tasks``): ``TASKS``, ``get_task(name, *, seed=0) -> Task``, ``Task``,
+  ``DatesTask``, ``StringTask`` (copy / reverse / sort), ``AdditionTask``. Counter-based and
+  deterministic; held-out splits disjoint from train.
+- Dates (``qkv.data.dates``): ``DATE_FORMATS``, ``render_date``, ``date_sample``,
+  ``date_examples``, ``date_split``, ``chinese_number``.
+- Tokenizers (``qkv.data.tokenizer``): ``CharTokenizer``, ``BPETokenizer``,
+  ``read_tokenizer``, ``SPECIALS`` (``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3).
+- Files (``qkv.data.files``): ``read_pairs`` (TSV source<TAB>target), ``read_text``,
+  ``DataError`` (a ValueError).
+"""
+
+from .dates import (
+    DATE_FORMATS,
+    DateSample,
+    chinese_number,
+    date_examples,
+    date_sample,
+    date_split,
+    render_date,
+)
+from .files import DataError, read_pairs, read_text
+from .tasks import TASKS, AdditionTask, DatesTask, StringTask, Task, get_task
+from .tokenizer import SPECIALS, BPETokenizer, CharTokenizer, read_tokenizer
+
+__all__ = ["DATE_FORMATS", "SPECIALS", "TASKS", "AdditionTask", "BPETokenizer", "CharTokenizer",
+           "DataError", "DateSample", "DatesTask", "StringTask", "Task", "chinese_number",
+           "date_examples", "date_sample", "date_split", "get_task", "read_pairs", "read_text",
+           "read_tokenizer", "render_date"]
