@@ -87,6 +87,11 @@ def test_options_and_validation() -> None:
     assert all(len(s) <= 3 and set(s) <= {"x", "y"} for s, _ in task.examples("train", 0, 100))
     add = AdditionTask(max_digits=2)
     assert (add.max_source_len, add.max_target_len) == (5, 3)
+    tiny = StringTask("copy", max_len=1, chars="ab")  # 2 sources: some split holds none
+    empty = [split for split in SPLITS
+             if not any(tiny.source_split(c) == split for c in "ab")]
+    with pytest.raises(ValueError, match=f"split '{empty[0]}' of .* got no source"):
+        tiny.examples(empty[0], 0, 1)
     with pytest.raises(ValueError, match="kind must be one of"):
         StringTask("shuffle")
     with pytest.raises(ValueError, match="max_len must be"):

@@ -31,6 +31,8 @@ __all__ = ["TASKS", "AdditionTask", "DatesTask", "StringTask", "Task", "get_task
 
 #: Names accepted by ``get_task``.
 TASKS = ("dates", "copy", "reverse", "sort", "addition")
+#: Draws before giving up on a split that holds (almost) no sources of a tiny task.
+_MAX_DRAWS = 10_000
 
 
 def _hash_int(*parts: object) -> int:
@@ -71,10 +73,12 @@ class Task:
 
     def _example(self, split: str, index: int) -> tuple[str, str]:
         rng = random.Random(_hash_int("qkv.data.tasks", self.name, self.seed, split, index))
-        while True:
+        for _ in range(_MAX_DRAWS):
             source, target = self._draw(rng)
             if self.source_split(source) == split:
                 return source, target
+        raise ValueError(f"split {split!r} of {self!r} got no source in {_MAX_DRAWS} draws: "
+                         f"too few distinct sources (raise max_len / max_digits)")
 
     def source_split(self, source: str) -> str:
         """The split a source string belongs to (a BLAKE2 hash, independent of the seed)."""
