@@ -1,0 +1,239 @@
+"""``qkv attention``: draw the attention of a trained run on one input — a PNG grid (layers ×
+heads) per attention map, the cross-attention alignment of an encoder-decoder, and one
+self-contained interactive HTML page.
+
+Inputs are framed as in training (``qkv.train.data``): an encoder-decoder reads source +
+eos and its decoder is fed bos + target (generated greedily when --target is not given); a
+GPT trained on pairs reads bos + input + eos (+ target, or its own greedy answer); a BERT
+reads bos + input [+ " " + target] + eos; models trained on plain text read the text as is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+EXAMPLES = """examples:
+  qkv attention runs/dates --input "March 5, 2024"
+        greedy-translate, then draw encoder, decoder and cross-attention
+  qkv attention runs/dates --input "March 5, 2024" --target 2024-03-05 --out viz
+        teacher-forced on a given target; files go to viz/
+  qkv attention runs/dates --input "2024年3月5日" --layer -1 --head 0
+        only the last layer's head 0 in the PNG grids (the HTML keeps every layer and head)
+  qkv attention runs/lm --input "the cat sat on the mat"
+        a GPT or BERT run: its self-attention
+
+writes DIR/attention_<map>.png for each map (encoder, decoder, cross), DIR/attention_
+alignment.png (encoder-decoder: cross-attention averaged over heads) and DIR/attention.html
+(open it in a browser; it needs no network).
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``qkv attention`` to the command parsers."""
+    p = sub.add_parser("attention", help="draw a trained run's attention on one input "
+                       "(PNG grids + an interactive HTML page)", description=__doc__,
+                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", metavar="RUN", help="a run directory of `qkv train` (or a "
+                   "checkpoint directory with config.json, model.safetensors, tokenizer.json)")
+    p.add_argument("--input", required=True, metavar="TEXT", help="the input (source) text")
+    p.add_argument("--target", default=None, metavar="TEXT",
+                   help="the target text, teacher-forced (default for an encoder-decoder or "
+                        "a GPT trained on pairs: the model's own greedy output)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="output directory (default: RUN/attention)")
+    p.add_argument("--layer", type=int, default=None, metavar="L",
+                   help="draw only layer L in the PNGs (negative: from the end); the HTML "
+                        "opens on it")
+    p.add_argument("--head", type=int, default=None, metavar="H",
+                   help="draw only head H in the PNGs (negative: from the end); the HTML "
+                        "opens on it (default: the mean over heads)")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                   help="longest generated target when --target is not given (default 64)")
+    p.set_defaults(func=_run)
+
+
+def _run_info(run: Path) -> dict[str, Any]:
+    """run.json of the run (beside the checkpoint or above it); {} when absent/unreadable."""
+    from ..train import find_checkpoint
+
+    for path in (find_checkpoint(run) / "run.json", run / "run.json"):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            return data
+    return {}
+
+
+def _max_len(model: nn.Module) -> int | None:
+    """The longest sequence the model's positions allow, or None (relative positions)."""
+    from ..models import Transformer
+
+    c = model.config
+    if isinstance(model, Transformer) and not c.absolute_positions:
+        return None
+    return getattr(c, "max_len", None)
+
+
+@torch.no_grad()
+def _greedy_target(model: nn.Module, src: list[int], tok: Any, budget: int) -> list[int]:
+    """bos + the encoder-decoder's greedy output for ``src`` (without its eos), decoded
+    one token at a time with a KV cache."""
+    memory, memory_mask = model.encode(torch.tensor([src]))  # (1, S, C), (1, S)
+    memory_kv = model.precompute_memory_kv(memory)
+    cache = model.new_cache(1, budget + 1)
+    out = [tok.bos_id]
+    for _ in range(budget):
+        logits = model.decode(torch.tensor([out[-1:]]), memory_kv=memory_kv,
+                              memory_mask=memory_mask, cache=cache)  # (1, 1, V)
+        nxt = int(logits[0, -1].argmax())
+        if nxt == tok.eos_id:
+            break
+        out.append(nxt)
+    return out
+
+
+@torch.no_grad()
+def _greedy_continue(model: nn.Module, ids: list[int], tok: Any, budget: int) -> list[int]:
+    """``ids`` + a GPT's greedy continuation, up to (without) its eos (KV cache)."""
+    out = list(ids)
+    cache = model.new_cache(1, len(ids) + budget)
+    step = out
+    for _ in range(budget):
+        nxt = int(model(torch.tensor([step]), cache=cache)[0, -1].argmax())
+        if nxt == tok.eos_id:
+            break
+        out.append(nxt)
+        step = [nxt]
+    return out
+
+
+def _generate(model: nn.Module, ids: list[int], tok: Any, budget: int, *,
+              encoder_decoder: bool) -> list[int]:
+    """Greedy decoding in eval mode, cut before the first eos: bos + output (encoder-decoder,
+    ``ids`` the source) or ``ids`` + continuation (GPT). ``qkv.generate`` when present."""
+    model.eval()
+    try:
+        from ..generation import generate
+    except ImportError:  # pragma: no cover - qkv.generation absent
+        generate = None
+    if generate is None:
+        if encoder_decoder:
+            return _greedy_target(model, ids, tok, budget)
+        return _greedy_continue(model, ids, tok, budget)
+    extra = {"decoder_start_token_id": tok.bos_id} if encoder_decoder else {}
+    row = generate(model, torch.tensor([ids]), max_new_tokens=budget,
+                   eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, **extra)[0].tolist()
+    start = 1 if encoder_decoder else len(ids)
+    new = row[start:]
+    return row[:start] + (new[:new.index(tok.eos_id)] if tok.eos_id in new else new)
+
+
+def _frame(model: nn.Module, tok: Any, info: dict[str, Any], text: str, target: str | None,
+           budget: int) -> tuple[list[int], list[int] | None, str | None]:
+    """(input ids, target ids or None, the generated target text or None), framed as in
+    training."""
+    from ..models import BERT, Transformer
+
+    bos, eos = tok.bos_id, tok.eos_id
+    pairs = info.get("task", "dates") is not None or isinstance(model, Transformer)
+    limit = _max_len(model)
+    if isinstance(model, Transformer):
+        src = [*tok.encode(text), eos]
+        if target is not None:
+            return src, [bos, *tok.encode(target)], None
+        room = budget if limit is None else min(budget, limit - 1)
+        tgt = _generate(model, src, tok, room, encoder_decoder=True)
+        return src, tgt, tok.decode(tgt[1:])
+    if isinstance(model, BERT):
+        full = text if target is None else f"{text} {target}"
+        return ([bos, *tok.encode(full), eos] if pairs else tok.encode(full)), None, None
+    if not pairs:  # a GPT language model on plain text
+        return tok.encode(text if target is None else text + target), None, None
+    prompt = [bos, *tok.encode(text), eos]
+    if target is not None:
+        return [*prompt, *tok.encode(target)], None, None
+    room = budget if limit is None else min(budget, limit - len(prompt))
+    ids = _generate(model, prompt, tok, room, encoder_decoder=False) if room > 0 else prompt
+    return ids, None, tok.decode(ids[len(prompt):])
+
+
+def _stack_sizes(model: nn.Module) -> tuple[int, int]:
+    """(layers of the shallowest attention stack, heads) of a qkv model."""
+    c = model.config
+    layers = [getattr(c, k) for k in ("num_layers", "num_encoder_layers", "num_decoder_layers")
+              if isinstance(getattr(c, k, None), int)]
+    return min(layers), c.num_heads
+
+
+def _index(name: str, value: int | None, total: int) -> int | None:
+    from . import UserError
+
+    if value is not None and not -total <= value < total:
+        raise UserError(f"--{name} {value} is out of range: the model has {total} {name}s "
+                        f"(0..{total - 1}, or negative from the end)")
+    return value
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..train import load_run
+    from ..viz import (
+        attention_html,
+        attention_maps,
+        plot_alignment,
+        plot_attention_grid,
+        token_labels,
+    )
+    from . import UserError
+
+    if not args.input.strip():
+        raise UserError("--input is empty")
+    if args.target is not None and not args.target.strip():
+        raise UserError("--target is empty (leave it out to generate the target)")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    run = Path(args.run)
+    model, tok = load_run(run)
+    model.eval()
+    n_layers, n_heads = _stack_sizes(model)
+    layer = _index("layer", args.layer, n_layers)
+    head = _index("head", args.head, n_heads)
+    info = _run_info(run)
+    src, tgt, generated = _frame(model, tok, info, args.input, args.target,
+                                 args.max_new_tokens)
+    maps = attention_maps(model, src, target_ids=tgt)
+    src_tokens = tok.tokens(src)
+    tgt_tokens = None if tgt is None else tok.tokens(tgt)
+    labels = token_labels(maps, input_tokens=src_tokens, target_tokens=tgt_tokens)
+    out = Path(args.out) if args.out is not None else run / "attention"
+    if generated is not None:
+        print(f"generated target: {generated}")
+    written = []
+    for name, weights in maps.items():
+        q, k = labels[name]
+        written.append(plot_attention_grid(
+            weights, query_tokens=q, key_tokens=k, path=out / f"attention_{name}.png",
+            title=f"{name} attention: {args.input}", layers=None if layer is None else [layer],
+            heads=None if head is None else [head]))
+    if "cross" in maps:
+        n_layers, n_heads = maps["cross"].shape[:2]
+        at = (-1 if layer is None else layer) % n_layers
+        cross = maps["cross"][at]  # (H, T, S)
+        which = "mean of heads" if head is None else f"head {head % n_heads}"
+        written.append(plot_alignment(
+            cross if head is None else cross[head], source_tokens=src_tokens,
+            target_tokens=tgt_tokens, path=out / "attention_alignment.png",
+            title=f"cross-attention, layer {at}, {which}: {args.input}"))
+    written.append(attention_html(maps, tokens=labels, path=out / "attention.html",
+                                  title=f"qkv attention: {args.input}", layer=layer,
+                                  head=head))
+    for path in written:
+        print(path)
+    return 0
