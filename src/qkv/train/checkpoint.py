@@ -1,0 +1,167 @@
+"""Run directories and checkpoints — safetensors + JSON only, written atomically.
+
+A run directory written by ``qkv train --out RUN``::
+
+    RUN/run.json               the training configuration (what ``--resume`` continues)
+    RUN/metrics.jsonl          one JSON object per logged step / evaluation
+    RUN/checkpoint/            the latest checkpoint, complete and self-contained:
+        config.json, model.safetensors   the model (``Model.from_pretrained(RUN/checkpoint)``)
+        tokenizer.json                   the ``qkv.data`` tokenizer
+        run.json                         a copy of the training configuration
+        trainer_state.json               step, data position, optimizer hyper-parameters
+        trainer_state.safetensors        optimizer moments, RNG state
+
+A checkpoint is written into ``RUN/checkpoint.tmp`` and then swapped in by renames
+(``checkpoint`` -> ``checkpoint.old``, ``checkpoint.tmp`` -> ``checkpoint``, old removed):
+a process killed at any point leaves a complete checkpoint under ``checkpoint`` or, between
+the two renames, ``checkpoint.old``, which ``find_checkpoint`` falls back to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..models import BERT, GPT, CheckpointError, Transformer
+from ..models.hub import atomic_write, read_json
+
+__all__ = ["CHECKPOINT_DIR", "MODEL_CLASSES", "find_checkpoint", "load_run",
+           "load_trainer_state", "save_checkpoint"]
+
+CHECKPOINT_DIR = "checkpoint"
+_TMP, _OLD = "checkpoint.tmp", "checkpoint.old"
+STATE_JSON, STATE_TENSORS = "trainer_state.json", "trainer_state.safetensors"
+
+#: config.json ``model_type`` -> model class
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "qkv-transformer": Transformer, "qkv-gpt": GPT, "qkv-bert": BERT}
+
+
+def _write_json(path: Path, data: Any) -> None:
+    text = json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Split ``optimizer.state_dict()`` into safetensors-able tensors and a JSON part."""
+    sd = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for idx, entry in sd["state"].items():
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optimizer.{idx}.{name}"] = value.detach().contiguous().clone()
+            else:
+                scalars.setdefault(str(idx), {})[name] = value
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars,
+                     "state_keys": {str(i): sorted(e) for i, e in sd["state"].items()}}
+
+
+def save_checkpoint(run_dir: str | os.PathLike, *, model: nn.Module, tokenizer: Any,
+                    optimizer: torch.optim.Optimizer, step: int, run_info: dict[str, Any],
+                    data_position: int) -> Path:
+    """Write a complete checkpoint of a run at optimizer step ``step`` and swap it in
+    atomically (see the module docstring). Returns the checkpoint directory.
+
+    ``model`` may be wrapped (DistributedDataParallel): its ``.module`` is saved.
+    ``run_info`` is the JSON training configuration; ``data_position`` the number of
+    training examples consumed so far (documentation: batches are a function of the step).
+    """
+    run_dir = Path(run_dir)
+    model = getattr(model, "module", model)
+    tmp, final, old = run_dir / _TMP, run_dir / CHECKPOINT_DIR, run_dir / _OLD
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    tokenizer.save(tmp / "tokenizer.json")
+    _write_json(tmp / "run.json", run_info)
+    tensors, opt_json = _optimizer_tensors(optimizer)
+    tensors["rng.torch"] = torch.get_rng_state()
+    save_file(tensors, str(tmp / STATE_TENSORS))
+    _write_json(tmp / STATE_JSON, {"step": step, "data_position": data_position,
+                                   "optimizer": opt_json})
+    if final.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old.exists():
+        shutil.rmtree(old)
+    return final
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path:
+    """The checkpoint directory of ``path``: ``path`` itself when it holds config.json,
+    else ``path/checkpoint``, else ``path/checkpoint.old`` (a save interrupted between its two
+    renames). Raises ``CheckpointError`` when there is none."""
+    path = Path(path)
+    for candidate in (path, path / CHECKPOINT_DIR, path / _OLD):
+        if (candidate / "config.json").is_file():
+            return candidate
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such run directory")
+    raise CheckpointError(f"{path}: not a qkv run directory (no config.json in it or in "
+                          f"{path / CHECKPOINT_DIR})")
+
+
+def load_run(path: str | os.PathLike) -> tuple[nn.Module, Any]:
+    """Load a run directory (or a checkpoint directory) written by ``qkv train``.
+
+    Returns:
+        ``(model, tokenizer)``: the model (``Transformer``, ``GPT`` or ``BERT``, chosen by
+        config.json's ``model_type``) in eval mode, and the ``qkv.data`` tokenizer.
+
+    Raises:
+        CheckpointError: no checkpoint, an unknown model type, or missing/mismatched files.
+    """
+    from ..data import read_tokenizer
+
+    ckpt = find_checkpoint(path)
+    model_type = read_json(ckpt / "config.json").get("model_type")
+    if model_type not in MODEL_CLASSES:
+        raise CheckpointError(f"{ckpt}: model_type {model_type!r} is not a qkv model "
+                              f"({sorted(MODEL_CLASSES)})")
+    model = MODEL_CLASSES[model_type].from_pretrained(ckpt)
+    if not (ckpt / "tokenizer.json").is_file():
+        raise CheckpointError(f"{ckpt}: tokenizer.json is missing")
+    return model, read_tokenizer(ckpt / "tokenizer.json")
+
+
+def load_trainer_state(checkpoint: str | os.PathLike,
+                       optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Restore ``optimizer`` and the torch RNG from a checkpoint; returns the JSON state
+    (``step``, ``data_position``).
+
+    Raises:
+        CheckpointError: missing or inconsistent trainer state (e.g. a different model).
+    """
+    checkpoint = Path(checkpoint)
+    try:
+        meta = read_json(checkpoint / STATE_JSON)
+        tensors = load_file(str(checkpoint / STATE_TENSORS))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{checkpoint}: cannot read the trainer state: {exc}") from exc
+    opt = meta["optimizer"]
+    state: dict[int, dict[str, Any]] = {}
+    for idx, keys in opt["state_keys"].items():
+        entry = dict(opt["scalars"].get(idx, {}))
+        for name in keys:
+            key = f"optimizer.{idx}.{name}"
+            if key in tensors:
+                entry[name] = tensors[key]
+        state[int(idx)] = entry
+    try:
+        optimizer.load_state_dict({"state": state, "param_groups": opt["param_groups"]})
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(f"{checkpoint}: the optimizer state does not fit this model: "
+                              f"{exc}") from exc
+    torch.set_rng_state(tensors["rng.torch"])
+    return {"step": int(meta["step"]), "data_position": int(meta["data_position"])}

@@ -1,0 +1,202 @@
+"""Training data for ``qkv train``: where examples come from and how a batch is built for
+each model kind.
+
+Sources: an embedded generated task (``qkv.data.get_task``: dates, copy, reverse, sort,
+addition), a TSV file of source/target pairs, or a plain-text file (language models).
+Every batch is a pure function of the optimizer step (tasks are counter-based; files are
+shuffled per epoch with a generator seeded by (seed, epoch)), so the data position of a
+resumed run is its step.
+
+Batch layouts (B batch, S source length, N target/sequence length):
+- transformer: ``src`` (B, S) = source + eos, right-padded; ``tgt_in`` (B, N) = bos + target;
+  ``tgt_out`` (B, N) = target + eos, padding = -100 (ignored by the loss).
+- gpt: one sequence per pair, bos + source + eos + target + eos, right-padded; the loss
+  covers the target and its eos only (``prompt`` = bos + source + eos is what generation
+  starts from). Plain text: contiguous windows of ``max_len`` + 1 tokens.
+- bert-mlm: bos + source + " " + target + eos per pair (or a text window), with 15 % of the
+  real tokens chosen for prediction (80 % -> the mask token, 10 % random, 10 % kept).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["IGNORE", "MODEL_KINDS", "PairData", "TextData", "gpt_prompts", "make_batch"]
+
+IGNORE = -100
+MODEL_KINDS = ("transformer", "gpt", "bert-mlm")
+MLM_FRACTION = 0.15
+
+
+@dataclass
+class PairData:
+    """Source/target string pairs: a generated task or a TSV file.
+
+    ``train(start, count)`` returns training pairs ``start .. start + count - 1`` of an endless
+    stream; ``heldout(count)`` the first ``count`` held-out pairs (disjoint from training).
+    """
+
+    task: Any = None  # a qkv.data Task
+    pairs: list[tuple[str, str]] | None = None  # TSV: training pairs
+    held: list[tuple[str, str]] | None = None  # TSV: held-out pairs
+    seed: int = 0
+
+    @classmethod
+    def from_file(cls, pairs: list[tuple[str, str]], *, seed: int,
+                  heldout_fraction: float = 0.05, max_heldout: int = 1000) -> PairData:
+        """Split a TSV file's pairs into training and held-out parts (seeded shuffle)."""
+        if len(pairs) < 2:
+            raise ValueError(f"a pairs file needs at least 2 pairs (one to train on, one to "
+                             f"hold out), got {len(pairs)}")
+        order = list(range(len(pairs)))
+        random.Random(seed).shuffle(order)
+        n_held = min(max(1, int(len(pairs) * heldout_fraction)), max_heldout, len(pairs) - 1)
+        return cls(pairs=[pairs[i] for i in order[n_held:]],
+                   held=[pairs[i] for i in order[:n_held]], seed=seed)
+
+    def train(self, start: int, count: int) -> list[tuple[str, str]]:
+        """Training pairs ``start .. start + count - 1`` (an endless, deterministic stream)."""
+        if self.task is not None:
+            return self.task.examples("train", start, count)
+        return [self.pairs[i] for i in _epoch_indices(len(self.pairs), start, count, self.seed)]
+
+    def heldout(self, count: int) -> list[tuple[str, str]]:
+        """The first ``count`` held-out pairs (fewer if a file holds fewer)."""
+        if self.task is not None:
+            return self.task.examples("valid", 0, count)
+        return self.held[:count]
+
+    def texts(self, limit: int = 20000) -> list[str]:
+        """Sources and targets of up to ``limit`` training pairs (to train a BPE vocabulary)."""
+        pairs = self.train(0, limit) if self.task is not None else self.pairs[:limit]
+        return [t for pair in pairs for t in pair]
+
+
+@dataclass
+class TextData:
+    """A token stream (plain text, tokenised once) cut into windows of ``window`` + 1 tokens;
+    the last ~5 % of the stream is held out."""
+
+    ids: Tensor  # (T,) int64, training part
+    held: Tensor  # (T',) int64, held-out part
+    window: int
+    seed: int = 0
+
+    @classmethod
+    def from_ids(cls, ids: list[int], *, window: int, seed: int) -> TextData:
+        """Split token ids into training and held-out streams."""
+        ids_t = torch.tensor(ids, dtype=torch.long)
+        n_held = max(window + 1, len(ids) // 20)
+        if len(ids) < n_held + window + 1:
+            raise ValueError(f"the text file has {len(ids)} tokens: too short for windows of "
+                             f"{window} + 1 tokens plus a held-out part (need at least "
+                             f"{n_held + window + 1}); lower --max-len or give more text")
+        return cls(ids=ids_t[:-n_held], held=ids_t[-n_held:], window=window, seed=seed)
+
+    def _windows(self, stream: Tensor, starts: list[int]) -> Tensor:
+        return torch.stack([stream[s:s + self.window + 1] for s in starts])  # (B, W + 1)
+
+    def train(self, start: int, count: int) -> Tensor:
+        """Windows ``start .. start + count - 1``: (count, window + 1) token ids."""
+        n_windows = (len(self.ids) - 1) // self.window
+        idx = _epoch_indices(n_windows, start, count, self.seed)
+        return self._windows(self.ids, [i * self.window for i in idx])
+
+    def heldout(self, count: int) -> Tensor:
+        """Up to ``count`` held-out windows (count', window + 1)."""
+        n = max(1, min(count, (len(self.held) - 1) // self.window))
+        return self._windows(self.held, [i * self.window for i in range(n)])
+
+
+def _epoch_indices(n: int, start: int, count: int, seed: int) -> list[int]:
+    """Items ``start .. start + count - 1`` of the concatenation of per-epoch permutations of
+    range(n), epoch e shuffled by a generator seeded with (seed, e)."""
+    out: list[int] = []
+    perms: dict[int, list[int]] = {}
+    for pos in range(start, start + count):
+        epoch, i = divmod(pos, n)
+        if epoch not in perms:
+            g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+            perms[epoch] = torch.randperm(n, generator=g).tolist()
+        out.append(perms[epoch][i])
+    return out
+
+
+def _pad(rows: list[list[int]], value: int) -> Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+def gpt_prompts(sources: list[str], tokenizer: Any) -> list[list[int]]:
+    """GPT prompts of pairs: bos + source + eos (the model continues with target + eos)."""
+    return [[tokenizer.bos_id, *tokenizer.encode(s), tokenizer.eos_id] for s in sources]
+
+
+def make_batch(kind: str, items: Any, tokenizer: Any, *, step: int = 0,
+               seed: int = 0) -> dict[str, Tensor]:
+    """Tensors of one batch for model kind ``kind`` (see the module docstring).
+
+    Args:
+        items: a list of (source, target) pairs, or (B, W + 1) token windows of a TextData.
+        step, seed: seed the MLM corruption (bert-mlm), so a batch depends only on them.
+
+    Returns:
+        transformer: src, tgt_in, tgt_out; gpt: ids, targets; bert-mlm: ids,
+        attention_mask, labels. Targets/labels use -100 for positions without a loss.
+    """
+    pad, bos, eos = tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id
+    if isinstance(items, Tensor):  # text windows
+        if kind == "gpt":
+            return {"ids": items[:, :-1].contiguous(), "targets": items[:, 1:].contiguous()}
+        rows = [r.tolist() for r in items]
+    elif kind == "transformer":
+        src = [[*tokenizer.encode(s), eos] for s, _ in items]
+        tgt = [tokenizer.encode(t) for _, t in items]
+        return {"src": _pad(src, pad), "tgt_in": _pad([[bos, *t] for t in tgt], pad),
+                "tgt_out": _pad([[*t, eos] for t in tgt], IGNORE)}
+    elif kind == "gpt":
+        prompts = gpt_prompts([s for s, _ in items], tokenizer)
+        answers = [[*tokenizer.encode(t), eos] for _, t in items]
+        seqs = [p + a for p, a in zip(prompts, answers, strict=True)]
+        targets = [[IGNORE] * (len(p) - 1) + a + [IGNORE]
+                   for p, a in zip(prompts, answers, strict=True)]
+        return {"ids": _pad([s[:-1] for s in seqs], pad), "targets": _pad(
+            [t[:-1] for t in targets], IGNORE)}
+    else:
+        rows = [[bos, *tokenizer.encode(f"{s} {t}"), eos] for s, t in items]
+    if kind != "bert-mlm":
+        raise ValueError(f"model kind must be one of {MODEL_KINDS}, got {kind!r}")
+    return _mlm_batch(rows, tokenizer, step=step, seed=seed)
+
+
+def _mlm_batch(rows: list[list[int]], tokenizer: Any, *, step: int, seed: int
+               ) -> dict[str, Tensor]:
+    ids = _pad(rows, tokenizer.pad_id)  # (B, N)
+    keep = ids != tokenizer.pad_id
+    special = keep & ((ids == tokenizer.bos_id) | (ids == tokenizer.eos_id))
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    chosen = (torch.rand(ids.shape, generator=g) < MLM_FRACTION) & keep & ~special
+    # every row predicts at least one token (its first real non-special one if none chosen)
+    candidates = keep & ~special
+    none = ~chosen.any(dim=1) & candidates.any(dim=1)
+    first = candidates.float().argmax(dim=1)
+    chosen[none, first[none]] = True
+    labels = torch.where(chosen, ids, torch.full_like(ids, IGNORE))
+    roll = torch.rand(ids.shape, generator=g)
+    random_ids = torch.randint(len(_SPECIALS), tokenizer.vocab_size, ids.shape, generator=g)
+    corrupted = torch.where(chosen & (roll < 0.8), torch.full_like(ids, _mask_id(tokenizer)), ids)
+    corrupted = torch.where(chosen & (roll >= 0.8) & (roll < 0.9), random_ids, corrupted)
+    return {"ids": corrupted, "attention_mask": keep, "labels": labels}
+
+
+_SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+
+
+def _mask_id(tokenizer: Any) -> int:
+    """The MLM mask token: the tokenizer's ``mask_id`` if it has one, else ``unk_id``."""
+    return getattr(tokenizer, "mask_id", tokenizer.unk_id)
