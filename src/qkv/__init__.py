@@ -5,6 +5,7 @@ Public API: ``qkv.attention``, ``qkv.masks``, ``qkv.MultiHeadAttention``, ``qkv.
 """
 
 from . import masks, models, positions
+from .generation import generate
 from .modules import KVCache, MultiHeadAttention
 from .ops import BACKENDS, BiasProducer, NoBackendError, attention, explain
 from .ops.linear import FavorFeatures, LinearState, linear_attention, linear_attention_step
@@ -13,4 +14,4 @@ __version__ = "0.1.0"
 
 __all__ = ["BACKENDS", "BiasProducer", "FavorFeatures", "KVCache", "LinearState",
            "MultiHeadAttention", "NoBackendError", "__version__", "attention", "explain",
-           "linear_attention", "linear_attention_step", "masks", "models", "positions"]
+           "generate", "linear_attention", "linear_attention_step", "masks", "models", "positions"]

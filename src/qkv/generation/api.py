@@ -1,0 +1,258 @@
+"""``qkv.generate``: greedy, sampled and beam-search decoding for GPT and encoder-decoder
+models.
+
+Shapes: B batch, N prompt length, S source length, K beams, T new tokens, V vocab size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..models.transformer import Transformer
+from .fast_gpt import FastGPTStepper, eligible
+from .search import beam_search, greedy_or_sample
+from .steppers import GPTStepper, Seq2SeqStepper
+
+__all__ = ["generate"]
+
+
+def _shape(t: Any) -> Any:
+    return tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+
+
+def _int(name: str, value: Any, low: int, *, none: bool = False) -> None:
+    if value is None and none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"generate: {name} must be an int >= {low}"
+                         f"{' or None' if none else ''}, got {value!r}")
+
+
+def _real(name: str, value: Any) -> float:
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value)):
+        raise ValueError(f"generate: {name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _token(name: str, value: Any, vocab: int) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                              or not 0 <= value < vocab):
+        raise ValueError(f"generate: {name} must be a token id in [0, {vocab}) or None, "
+                         f"got {value!r}")
+
+
+def _check_args(num_beams, length_penalty, do_sample, temperature, top_k, top_p, generator,
+                use_cache, max_new_tokens) -> None:
+    _int("max_new_tokens", max_new_tokens, 1)
+    _int("num_beams", num_beams, 1)
+    _real("length_penalty", length_penalty)
+    for name, val in (("do_sample", do_sample), ("use_cache", use_cache)):
+        if not isinstance(val, bool):
+            raise TypeError(f"generate: {name} must be a bool, got {val!r}")
+    if _real("temperature", temperature) <= 0:
+        raise ValueError(f"generate: temperature must be > 0, got {temperature!r} (for "
+                         f"greedy decoding use do_sample=False)")
+    _int("top_k", top_k, 1, none=True)
+    if top_p is not None and not 0.0 < _real("top_p", top_p) <= 1.0:
+        raise ValueError(f"generate: top_p must be in (0, 1], got {top_p!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generate: generator must be a torch.Generator, "
+                        f"got {type(generator).__name__}")
+    if do_sample and num_beams > 1:
+        raise ValueError(f"generate: do_sample=True with num_beams={num_beams} is not "
+                         f"supported (sample with num_beams=1, or search without sampling)")
+    if not do_sample:
+        unused = [f"{n}={v!r}" for n, v, default in (
+            ("temperature", temperature, 1.0), ("top_k", top_k, None), ("top_p", top_p, None))
+            if v != default]
+        if unused:
+            raise ValueError(f"generate: {', '.join(unused)} only apply when sampling; pass "
+                             f"do_sample=True")
+
+
+def _check_ids(input_ids: Any) -> Tensor:
+    if (not isinstance(input_ids, Tensor) or input_ids.dim() != 2
+            or input_ids.dtype.is_floating_point or input_ids.dtype.is_complex
+            or input_ids.dtype == torch.bool):
+        got = (f"{_shape(input_ids)} {input_ids.dtype}" if isinstance(input_ids, Tensor)
+               else _shape(input_ids))
+        raise ValueError(f"generate: input_ids must be an integer tensor (B, N), got {got}")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"generate: input_ids must have at least one row and one token, "
+                         f"got {_shape(input_ids)}")
+    return input_ids.long()
+
+
+def _check_mask(mask: Any, ids: Tensor) -> Tensor:
+    if (not isinstance(mask, Tensor) or mask.dtype.is_floating_point or mask.dtype.is_complex
+            or _shape(mask) != _shape(ids)):
+        got = f"{_shape(mask)} {mask.dtype}" if isinstance(mask, Tensor) else _shape(mask)
+        raise ValueError(f"generate: attention_mask must be a bool/int tensor shaped like "
+                         f"input_ids {_shape(ids)} (1 = real token), got {got}")
+    if mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError("generate: attention_mask must hold only 0 and 1")
+    return mask.to(device=ids.device, dtype=torch.bool)
+
+
+def _gpt_keep(mask: Tensor | None, ids: Tensor) -> Tensor | None:
+    """The (B, N) keep mask of a left-padded prompt, None when nothing is padded."""
+    if mask is None:
+        return None
+    keep = _check_mask(mask, ids)
+    empty = ~keep.any(dim=1)
+    if bool(empty.any()):
+        raise ValueError(f"generate: row {int(empty.nonzero()[0])} of attention_mask has no "
+                         f"real token")
+    if bool((keep[:, :-1] & ~keep[:, 1:]).any()):
+        row = int((keep[:, :-1] & ~keep[:, 1:]).any(dim=1).nonzero()[0])
+        raise ValueError(f"generate: attention_mask row {row} is not left-padded (a 0 after "
+                         f"a 1); decoder-only generation appends after the last column, so "
+                         f"pad prompts on the left")
+    return None if bool(keep.all()) else keep
+
+
+def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
+             attention_mask: Tensor | None = None, num_beams: int = 1,
+             length_penalty: float = 1.0, do_sample: bool = False, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None,
+             eos_token_id: int | None = None, pad_token_id: int | None = None,
+             decoder_start_token_id: int | None = None,
+             generator: torch.Generator | None = None, use_cache: bool = True) -> Tensor:
+    """Generate tokens with a decoder-only model (``qkv.models.GPT``, or anything with its
+    interface) or an encoder-decoder ``qkv.models.Transformer``.
+
+    Args:
+        model: a ``GPT``-like decoder — ``model(ids, attention_mask=, cache=)`` -> logits
+            (B, N, V) and ``model.new_cache(batch, capacity)`` — or a ``Transformer``. Its
+            train/eval mode is left as it is (call ``model.eval()`` first for deterministic
+            output when it has dropout).
+        input_ids: decoder-only: the prompts (B, N), left-padded, with ``attention_mask``.
+            Transformer: the source ids (B, S), right-padded with ``config.pad_id``.
+        max_new_tokens: the most tokens to generate per row (T).
+        attention_mask: (B, N) or (B, S) bool/int, 1 = real token. Decoder-only: the
+            padding must be on the left. Transformer: default ``input_ids != pad_id``.
+        num_beams: K; 1 is greedy (or sampling), K > 1 beam search.
+        length_penalty: beam search ranks finished hypotheses by ``sum of log-probs /
+            length ** length_penalty`` (length = new tokens, eos included), as HF.
+        do_sample: sample from the (filtered) softmax instead of taking the argmax.
+        temperature, top_k, top_p: sampling filters, applied in this order (HF's): logits /
+            temperature, keep the ``top_k`` most likely tokens, keep the smallest set whose
+            probability reaches ``top_p``. Only with ``do_sample=True``.
+        eos_token_id: a row that produces it is finished (its later tokens are
+            ``pad_token_id``). GPT default: None (always T tokens); Transformer default:
+            ``config.eos_id``.
+        pad_token_id: fills rows after their eos. GPT default: ``eos_token_id``; Transformer
+            default ``config.pad_id``.
+        decoder_start_token_id: Transformer only, the first decoder token (default
+            ``config.bos_id``).
+        generator: a ``torch.Generator`` for reproducible sampling.
+        use_cache: False recomputes the whole sequence each step (slow; the tests' oracle).
+
+    Returns:
+        GPT: (B, N + T) int64, the prompt then the new tokens (as HF's ``generate``);
+        Transformer: (B, 1 + T), the start token then the new tokens. T <= max_new_tokens:
+        generation stops once every row has finished; beam search returns each input's best
+        hypothesis.
+
+    Beam search follows HuggingFace's ``generate(num_beams=K)`` with its default
+    ``early_stopping=False`` heuristic (see ``qkv.generation.search.beam_search``); with the
+    same weights it returns HF's tokens. Decoding runs under ``torch.inference_mode()``; a
+    plain ``GPT`` decodes through a lean single-token step (``qkv.generation.fast_gpt``).
+
+    Raises:
+        TypeError for a model of another kind or an argument of the wrong type; ValueError
+        for a bad value (num_beams < 1, top_p outside (0, 1], temperature <= 0, sampling
+        options without do_sample, do_sample with beams, a token id outside the vocabulary,
+        right-padded GPT prompts, more positions than the model's ``max_len``).
+    """
+    _check_args(num_beams, length_penalty, do_sample, temperature, top_k, top_p, generator,
+                use_cache, max_new_tokens)
+    ids = _check_ids(input_ids)
+    if isinstance(model, Transformer):
+        out = _generate_seq2seq(model, ids, attention_mask, max_new_tokens, num_beams,
+                                length_penalty, do_sample, temperature, top_k, top_p,
+                                eos_token_id, pad_token_id, decoder_start_token_id, generator,
+                                use_cache)
+    elif isinstance(model, nn.Module) and callable(getattr(model, "new_cache", None)):
+        if decoder_start_token_id is not None:
+            raise ValueError("generate: decoder_start_token_id is for encoder-decoder models; "
+                             "a decoder-only model continues its prompt")
+        out = _generate_decoder(model, ids, attention_mask, max_new_tokens, num_beams,
+                                length_penalty, do_sample, temperature, top_k, top_p,
+                                eos_token_id, pad_token_id, generator, use_cache)
+    else:
+        raise TypeError(f"generate: model must be a qkv.models.GPT (or a decoder with "
+                        f"forward(ids, attention_mask=, cache=) and new_cache(batch, "
+                        f"capacity)) or a qkv.models.Transformer, got {type(model).__name__}")
+    return out.clone()  # a normal tensor, not an inference tensor
+
+
+def _search(stepper, rows: int, num_beams: int, max_new_tokens: int, length_penalty: float,
+            do_sample: bool, temperature: float, top_k, top_p, eos, pad: int, generator,
+            device: torch.device) -> Tensor:
+    if num_beams > 1:
+        return beam_search(stepper, rows, num_beams, max_new_tokens,
+                           length_penalty=length_penalty, eos=eos, pad=pad, device=device)
+    return greedy_or_sample(stepper, rows, max_new_tokens, do_sample=do_sample,
+                            temperature=temperature, top_k=top_k, top_p=top_p, eos=eos,
+                            pad=pad, generator=generator, device=device)
+
+
+def _generate_decoder(model, ids, attention_mask, max_new_tokens, num_beams, length_penalty,
+                      do_sample, temperature, top_k, top_p, eos, pad, generator,
+                      use_cache) -> Tensor:
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int):
+        for name, val in (("eos_token_id", eos), ("pad_token_id", pad)):
+            _token(name, val, vocab)
+    pad = (eos if eos is not None else 0) if pad is None else pad
+    with torch.inference_mode():
+        keep = _gpt_keep(attention_mask, ids)
+        batch, n = ids.shape
+        max_len = getattr(config, "max_len", None)
+        if getattr(config, "positions", None) == "learned" and isinstance(max_len, int):
+            longest = n if keep is None else int(keep.sum(dim=1).max())
+            if longest + max_new_tokens - 1 > max_len:
+                raise ValueError(f"generate: a prompt of {longest} tokens + max_new_tokens="
+                                 f"{max_new_tokens} needs {longest + max_new_tokens - 1} "
+                                 f"positions, beyond the model's max_len={max_len}")
+        rows_ids, rows_keep = ids, keep
+        if num_beams > 1:
+            rows_ids = ids.repeat_interleave(num_beams, dim=0)
+            rows_keep = None if keep is None else keep.repeat_interleave(num_beams, dim=0)
+        if use_cache and eligible(model):
+            stepper = FastGPTStepper(model, rows_ids, rows_keep, max_new_tokens)
+        else:
+            stepper = GPTStepper(model, rows_ids, rows_keep, max_new_tokens, use_cache)
+        new = _search(stepper, batch, num_beams, max_new_tokens, length_penalty, do_sample,
+                      temperature, top_k, top_p, eos, pad, generator, ids.device)
+        return torch.cat((ids, new), dim=1)
+
+
+def _generate_seq2seq(model, src, attention_mask, max_new_tokens, num_beams, length_penalty,
+                      do_sample, temperature, top_k, top_p, eos, pad, start, generator,
+                      use_cache) -> Tensor:
+    c = model.config
+    eos = c.eos_id if eos is None else eos
+    pad = c.pad_id if pad is None else pad
+    start = c.bos_id if start is None else start
+    for name, val in (("eos_token_id", eos), ("pad_token_id", pad),
+                      ("decoder_start_token_id", start)):
+        _token(name, val, c.tgt_vocab_size)
+    if c.absolute_positions and max_new_tokens > c.max_len:
+        raise ValueError(f"generate: max_new_tokens={max_new_tokens} needs decoder positions "
+                         f"beyond the model's max_len={c.max_len}")
+    with torch.inference_mode():
+        src_mask = None if attention_mask is None else _check_mask(attention_mask, src)
+        stepper = Seq2SeqStepper(model, src, src_mask, start, num_beams, max_new_tokens,
+                                 use_cache)
+        new = _search(stepper, src.shape[0], num_beams, max_new_tokens, length_penalty,
+                      do_sample, temperature, top_k, top_p, eos, pad, generator, src.device)
+        first = torch.full((src.shape[0], 1), start, dtype=torch.long, device=src.device)
+        return torch.cat((first, new), dim=1)

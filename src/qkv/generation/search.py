@@ -1,0 +1,151 @@
+"""Search loops over a stepper: greedy / sampling, and beam search (HuggingFace's rules).
+
+Shapes: B batch, K beams, R = B·K rows, V vocab size, T new tokens (at most
+``max_new_tokens``).
+
+Both loops return the new tokens only, (B, T); rows that ended (eos) are filled with the pad
+id after their eos. The loops stop early once every row has ended.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+__all__ = ["beam_search", "filter_logits", "greedy_or_sample"]
+
+_NEG = -1.0e9  # HF's "impossible" score: added, never a fill (sums stay comparable)
+
+
+class Stepper(Protocol):
+    """What the loops need from a model (see ``qkv.generation.steppers``)."""
+
+    def prefill(self) -> Tensor: ...
+    def step(self, tokens: Tensor) -> Tensor: ...
+    def reorder(self, idx: Tensor) -> None: ...
+
+
+def filter_logits(logits: Tensor, *, temperature: float, top_k: int | None,
+                  top_p: float | None) -> Tensor:
+    """Sampling filters, in HuggingFace's order: logits (R, V) / temperature, then keep the
+    ``top_k`` largest, then the smallest set of most likely tokens whose probability reaches
+    ``top_p`` (at least one token). Dropped tokens get -inf. Returns fp32 (R, V)."""
+    scores = logits.float()
+    if temperature != 1.0:
+        scores = scores / temperature
+    if top_k is not None and top_k < scores.shape[-1]:
+        kth = scores.topk(top_k, dim=-1).values[:, -1:]  # (R, 1)
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)  # (R, V)
+        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = (cum - sorted_scores.softmax(dim=-1)) >= top_p  # mass before >= p
+        drop_sorted[:, 0] = False
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores
+
+
+def greedy_or_sample(stepper: Stepper, rows: int, max_new_tokens: int, *, do_sample: bool,
+                     temperature: float, top_k: int | None, top_p: float | None,
+                     eos: int | None, pad: int, generator: torch.Generator | None,
+                     device: torch.device) -> Tensor:
+    """Greedy (argmax) or sampled decoding; returns the new tokens (R, T), T <=
+    ``max_new_tokens`` (fewer when every row reached ``eos``)."""
+    out = torch.full((rows, max_new_tokens), pad, dtype=torch.long, device=device)
+    finished = torch.zeros(rows, dtype=torch.bool, device=device) if eos is not None else None
+    logits = stepper.prefill()
+    for t in range(max_new_tokens):
+        if do_sample:
+            probs = filter_logits(logits, temperature=temperature, top_k=top_k,
+                                  top_p=top_p).softmax(dim=-1)
+            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (R,)
+        else:
+            tokens = logits.argmax(dim=-1)  # (R,)
+        if finished is not None:
+            tokens = tokens.masked_fill(finished, pad)
+            finished |= tokens == eos
+        out[:, t] = tokens
+        if finished is not None and bool(finished.all()):
+            return out[:, :t + 1]
+        if t + 1 < max_new_tokens:
+            logits = stepper.step(tokens)
+    return out
+
+
+def _gather(t: Tensor, idx: Tensor) -> Tensor:
+    """t (B, M, ...) indexed along dim 1 by idx (B, J) -> (B, J, ...)."""
+    shape = idx.shape + t.shape[2:]
+    return t.gather(1, idx.reshape(*idx.shape, *([1] * (t.dim() - 2))).expand(shape))
+
+
+def beam_search(stepper: Stepper, batch: int, beams: int, max_new_tokens: int, *,
+                length_penalty: float, eos: int | None, pad: int,
+                device: torch.device) -> Tensor:
+    """Beam search with HuggingFace's rules (``transformers`` 4.5x+/5.x ``_beam_search`` with
+    its default ``early_stopping=False``): each step keeps the top 2K continuations of the
+    K·V candidates by summed log-probability; those among the first K that end in ``eos``
+    (or reach ``max_new_tokens``) become finished hypotheses scored ``sum / T_h **
+    length_penalty`` (T_h: the hypothesis' new tokens, eos included); the best K unfinished
+    continue. A batch item stops once its best running score divided by the current length
+    ** length_penalty cannot beat its worst kept hypothesis (K hypotheses kept).
+
+    Returns the best hypothesis of each batch item, (B, T): T = the longest of them; shorter
+    ones are filled with ``pad``.
+    """
+    k = beams
+    rows = batch * k
+    running = torch.full((batch, k, max_new_tokens), pad, dtype=torch.long, device=device)
+    run_scores = torch.zeros(batch, k, dtype=torch.float32, device=device)
+    run_scores[:, 1:] = _NEG  # only beam 0 expands at first: the K rows start identical
+    done_seqs = running.clone()
+    done_scores = torch.full((batch, k), _NEG, dtype=torch.float32, device=device)
+    done_flags = torch.zeros(batch, k, dtype=torch.bool, device=device)
+    done_lens = torch.zeros(batch, k, dtype=torch.long, device=device)
+    open_items = torch.ones(batch, 1, dtype=torch.bool, device=device)  # may still improve
+    top_k_mask = torch.arange(2 * k, device=device) < k  # (2K,)
+    offsets = (torch.arange(batch, device=device) * k)[:, None]  # (B, 1)
+    logits = stepper.prefill()
+    for t in range(max_new_tokens):
+        vocab = logits.shape[-1]
+        logp = torch.log_softmax(logits.float(), dim=-1).view(batch, k, vocab)
+        logp = (logp + run_scores[:, :, None]).view(batch, k * vocab)
+        top_scores, top_idx = logp.topk(2 * k, dim=-1)  # (B, 2K)
+        src_beam = top_idx // vocab
+        tokens = top_idx % vocab
+        cand = _gather(running, src_beam)  # (B, 2K, T)
+        cand[:, :, t] = tokens
+        if t + 1 == max_new_tokens:
+            hits = torch.ones_like(tokens, dtype=torch.bool)
+        elif eos is not None:
+            hits = tokens == eos
+        else:
+            hits = torch.zeros_like(tokens, dtype=torch.bool)
+        # the best K continuations that did not end
+        alive_scores = top_scores + hits.float() * _NEG
+        keep = alive_scores.topk(k, dim=-1).indices  # (B, K)
+        running = _gather(cand, keep)
+        run_scores = _gather(alive_scores, keep)
+        run_src = _gather(src_beam, keep)
+        # hypotheses that ended among the first K candidates join the finished ones
+        just = hits & top_k_mask
+        scores = top_scores / float((t + 1) ** length_penalty)
+        scores = scores + (~open_items).float() * _NEG + (~just).float() * _NEG
+        m_scores = torch.cat((done_scores, scores), dim=1)
+        best = m_scores.topk(k, dim=-1).indices
+        done_seqs = _gather(torch.cat((done_seqs, cand), dim=1), best)
+        done_scores = _gather(m_scores, best)
+        done_flags = _gather(torch.cat((done_flags, just), dim=1), best)
+        done_lens = _gather(torch.cat((done_lens, torch.full_like(tokens, t + 1)), dim=1), best)
+        # can a running beam still beat the worst kept hypothesis?
+        best_possible = run_scores[:, :1] / float((t + 1) ** length_penalty)
+        worst = torch.where(done_flags, done_scores.min(dim=1, keepdim=True).values, _NEG)
+        open_items = open_items & (best_possible > worst).any(dim=-1, keepdim=True)
+        if not bool(open_items.any()) or bool(hits.all()):
+            break
+        stepper.reorder((run_src + offsets).reshape(rows))
+        logits = stepper.step(running[:, :, t].reshape(rows))
+    length = int(done_lens[:, 0].max())
+    return done_seqs[:, 0, :length]
