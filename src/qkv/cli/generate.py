@@ -1,0 +1,203 @@
+"""``qkv generate`` (continue prompts with a trained GPT) and ``qkv translate`` (decode
+inputs with a trained encoder-decoder Transformer), from a run directory of ``qkv train``.
+
+A GPT trained on a pair task (run.json names a ``task``) answers each prompt the way it was
+trained — bos + prompt + eos, continued up to its eos — and prints the answer; a GPT trained
+on plain text continues the text and prints prompt + continuation. Decoding is greedy by
+default, beam search with ``--beams K``, sampling with ``--sample``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+GENERATE_EXAMPLES = """examples:
+  qkv generate runs/shakespeare --prompt "To be, or not" --max-new-tokens 200
+  qkv generate runs/shakespeare --prompt "ROMEO:" --sample --temperature 0.8 --top-k 40 --seed 1
+  qkv generate runs/shakespeare --prompt "Once" --prompt "Then" --top-p 0.9 --sample
+  qkv generate runs/gpt-dates --prompt "March 3, 2021" --beams 4
+
+Prints one output per --prompt (in order). For a GPT trained on a task, the output is its
+answer; for a GPT trained on text, the prompt followed by its continuation.
+"""
+
+TRANSLATE_EXAMPLES = """examples:
+  qkv translate runs/dates --input "March 3, 2021" --input "3/4/99"
+  qkv translate runs/dates --file heldout.tsv --beams 4      # sources = first TSV column
+  qkv translate runs/my-model --file sentences.txt            # one input per non-blank line
+
+Prints one output per input, in order.
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``qkv generate`` and ``qkv translate`` to the command parsers."""
+    g = sub.add_parser("generate", help="continue prompts with a trained GPT run",
+                       description=__doc__, epilog=GENERATE_EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    g.add_argument("run", help="run directory written by `qkv train --model gpt`")
+    g.add_argument("--prompt", action="append", required=True,
+                   help="a prompt (repeat for several)")
+    _decoding_options(g)
+    g.add_argument("--sample", action="store_true",
+                   help="sample from the model's distribution instead of the argmax")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature > 0 (default 1.0; needs --sample)")
+    g.add_argument("--top-k", type=int, default=None,
+                   help="sample among the K most likely tokens (needs --sample)")
+    g.add_argument("--top-p", type=float, default=None,
+                   help="sample among the most likely tokens holding probability P, 0 < P <= 1 "
+                        "(needs --sample)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampling generator (default: unseeded)")
+    g.set_defaults(func=_run_generate)
+
+    t = sub.add_parser("translate", help="decode inputs with a trained encoder-decoder run",
+                       description=__doc__, epilog=TRANSLATE_EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("run", help="run directory written by `qkv train` (model transformer)")
+    src = t.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", action="append", help="an input text (repeat for several)")
+    src.add_argument("--file", help="a TSV file (inputs = first column) or a text file (one "
+                                    "input per non-blank line)")
+    _decoding_options(t)
+    t.set_defaults(func=_run_translate)
+
+
+def _decoding_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="most tokens to generate per output (default: up to 100, within the "
+                        "model's max_len)")
+    p.add_argument("--beams", type=int, default=1,
+                   help="beam search with K beams (default 1: greedy)")
+    p.add_argument("--length-penalty", type=float, default=1.0,
+                   help="beam search: rank hypotheses by log-prob / length**P (default 1.0)")
+
+
+def _load(run: str, want: str) -> tuple[Any, Any, dict]:
+    """(model, tokenizer, run.json dict) of a run directory holding a ``want`` model."""
+    from ..models import GPT, Transformer
+    from ..train.checkpoint import find_checkpoint, load_run
+    from . import UserError
+
+    model, tokenizer = load_run(run)
+    info: dict = {}
+    for path in (find_checkpoint(run) / "run.json", Path(run) / "run.json"):
+        if path.is_file():
+            try:
+                info = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise UserError(f"{path}: cannot read run.json: {exc}") from None
+            break
+    kinds = {"gpt": GPT, "transformer": Transformer}
+    if not isinstance(model, kinds[want]):
+        other = "qkv translate" if want == "gpt" else "qkv generate"
+        hint = f" (use {other})" if isinstance(model, (GPT, Transformer)) else ""
+        raise UserError(f"{run} holds a {type(model).__name__} model; this command needs a "
+                        f"{kinds[want].__name__} run{hint}")
+    return model, tokenizer, info if isinstance(info, dict) else {}
+
+
+def _check_decoding(args: argparse.Namespace) -> None:
+    from . import UserError
+
+    if args.beams < 1:
+        raise UserError(f"--beams must be >= 1, got {args.beams}")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..generation import generate
+    from . import UserError
+
+    _check_decoding(args)
+    sampling = [f for f, v in (("--temperature", args.temperature), ("--top-k", args.top_k),
+                               ("--top-p", args.top_p)) if v is not None]
+    if sampling and not args.sample:
+        raise UserError(f"{', '.join(sampling)} only apply with --sample")
+    if args.sample and args.beams > 1:
+        raise UserError("--sample and --beams > 1 cannot be combined")
+    model, tok, info = _load(args.run, "gpt")
+    pairs = info.get("task") is not None  # trained as bos + source + eos + target + eos
+    prompts = [([tok.bos_id, *tok.encode(p), tok.eos_id] if pairs else tok.encode(p))
+               for p in args.prompt]
+    if any(not p for p in prompts):
+        raise UserError("--prompt must not be empty for a GPT trained on text")
+    width = max(len(p) for p in prompts)
+    room = model.config.max_len - width + 1
+    if room < 1:
+        raise UserError(f"a prompt of {width} tokens does not fit the model's max_len="
+                        f"{model.config.max_len}")
+    steps = args.max_new_tokens or min(100, room)
+    ids = torch.tensor([[tok.pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    generator = None if args.seed is None else torch.Generator().manual_seed(args.seed)
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=steps, num_beams=args.beams,
+                   length_penalty=args.length_penalty, do_sample=args.sample,
+                   temperature=1.0 if args.temperature is None else args.temperature,
+                   top_k=args.top_k, top_p=args.top_p,
+                   eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, generator=generator)
+    for prompt, row in zip(prompts, out.tolist(), strict=True):
+        new = _until(row[width:], tok.eos_id)
+        print(tok.decode(new) if pairs else tok.decode(prompt + new))
+    sys.stdout.flush()
+    return 0
+
+
+def _until(ids: list[int], eos: int) -> list[int]:
+    return ids[:ids.index(eos)] if eos in ids else ids
+
+
+def _inputs(args: argparse.Namespace) -> list[str]:
+    from ..data import read_pairs
+    from . import UserError
+
+    if args.input is not None:
+        return args.input
+    path = Path(args.file)
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read {path}: {exc}") from None
+    if "\t" in text:
+        return [source for source, _ in read_pairs(path)]
+    lines = [line.rstrip("\r") for line in text.split("\n") if line.strip()]
+    if not lines:
+        raise UserError(f"{path}: no inputs (the file is empty)")
+    return lines
+
+
+def _run_translate(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..generation import generate
+    from . import UserError
+
+    _check_decoding(args)
+    sources = _inputs(args)
+    model, tok, _ = _load(args.run, "transformer")
+    c = model.config
+    steps = args.max_new_tokens or (min(100, c.max_len) if c.absolute_positions else 100)
+    for start in range(0, len(sources), 64):
+        chunk = [[*tok.encode(s), tok.eos_id] for s in sources[start:start + 64]]
+        if c.absolute_positions and max(len(s) for s in chunk) > c.max_len:
+            raise UserError(f"an input of {max(len(s) for s in chunk)} tokens is longer than "
+                            f"the model's max_len={c.max_len}")
+        width = max(len(s) for s in chunk)
+        src = torch.tensor([s + [tok.pad_id] * (width - len(s)) for s in chunk])
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in chunk])
+        out = generate(model, src, attention_mask=mask, max_new_tokens=steps,
+                       num_beams=args.beams, length_penalty=args.length_penalty,
+                       eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
+                       decoder_start_token_id=tok.bos_id)
+        for row in out.tolist():
+            print(tok.decode(_until(row[1:], tok.eos_id)))
+    sys.stdout.flush()
+    return 0
