@@ -10,6 +10,12 @@ embedding (GPT-2). Left-padded batches take an ``attention_mask`` (1 = real toke
 then count from each row's first real token, so a padded row equals the same row run alone.
 Decoding token by token uses ``new_cache``: one ``KVCache`` per layer.
 
+Attention variants (config fields): ``attention_window=W`` makes every layer attend with
+``qkv.masks.SlidingWindow(W, causal=True)`` (the sparse band path; O(N·W)) and decode with
+``WindowKVCache``s that keep only the last W - 1 positions; ``attention="linear"`` swaps each
+layer's attention for ``LinearAttention`` (``feature_map`` "elu" or "favor", O(N) in N) and
+decodes with constant-size ``LinearCache``s.
+
 ``GPT.from_hf(directory)`` / ``GPT.from_pretrained(directory)`` read a local HuggingFace
 GPT-2 directory (config.json + model.safetensors); the conversion lives in
 ``qkv.models.hf_gpt2``. ``load_tokenizer(directory)`` reads its tokenizer.json.
@@ -26,12 +32,14 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ..modules.cache import KVCache
+from ..modules.cache import KVCache, LinearCache, WindowKVCache
 from ..modules.feedforward import ACTIVATIONS
 from ..modules.layers import EncoderLayer
+from ..modules.linear_attention import LinearAttention
 from ..modules.norms import LayerNorm, RMSNorm, make_norm
 from ..modules.positions import Learned, RoPE, positions_from_mask
-from ..ops.masks import Padding
+from ..ops.masks import Mask, Padding
+from ..ops.sparse_masks import SlidingWindow
 from .hub import ModelConfig, PretrainedMixin, load_tokenizer
 from .inputs import check_token_ids
 
@@ -58,6 +66,12 @@ class GPTConfig(ModelConfig):
         dropout: embedding, residual and FFN dropout; ``attn_dropout`` on attention weights.
         bias: biases in the linear layers.
         tie_embeddings: the LM head shares the token embedding's (V, C) weight.
+        attention: "softmax" (exact, ``MultiHeadAttention``) or "linear"
+            (``LinearAttention``: kernelised, O(N) in N, constant-size decoding state).
+        attention_window: W, softmax attention only: each position attends to itself and
+            the W - 1 before it (``SlidingWindow(W, causal=True)``); None = full causal.
+        feature_map: linear attention's φ: "elu" (elu + 1) or "favor" (FAVOR+).
+        num_features: the FAVOR+ feature count m (default round(D·ln D)); "favor" only.
 
     Presets: "gpt2" (124M), "gpt2-medium" (355M), "gpt-tiny" (tests), "gpt-small-cpu"
     (6 layers, width 384, the CPU training benchmark).
@@ -78,6 +92,10 @@ class GPTConfig(ModelConfig):
     attn_dropout: float = 0.0
     bias: bool = True
     tie_embeddings: bool = True
+    attention: str = "softmax"
+    attention_window: int | None = None
+    feature_map: str = "elu"
+    num_features: int | None = None
 
     MODEL_TYPE: ClassVar[str] = "qkv-gpt"
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
@@ -123,6 +141,39 @@ class GPTConfig(ModelConfig):
             val = getattr(self, name)
             if not isinstance(val, (int, float)) or not 0.0 <= val < 1.0:
                 raise ValueError(f"GPTConfig: {name} must be in [0, 1), got {val!r}")
+        self._check_attention()
+
+    def _check_attention(self) -> None:
+        if self.attention not in ("softmax", "linear"):
+            raise ValueError(f"GPTConfig: attention must be 'softmax' or 'linear', "
+                             f"got {self.attention!r}")
+        w = self.attention_window
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise ValueError(f"GPTConfig: attention_window must be a positive int or None, "
+                             f"got {w!r}")
+        if self.feature_map not in ("elu", "favor"):
+            raise ValueError(f"GPTConfig: feature_map must be 'elu' or 'favor', "
+                             f"got {self.feature_map!r}")
+        m = self.num_features
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise ValueError(f"GPTConfig: num_features must be a positive int or None, "
+                             f"got {m!r}")
+        if self.attention == "linear":
+            if w is not None:
+                raise ValueError(f"GPTConfig: attention_window={w} is for softmax attention; "
+                                 f"linear attention sums every past position (use "
+                                 f"attention='softmax' or attention_window=None)")
+            if self.attn_dropout:
+                raise ValueError(f"GPTConfig: attn_dropout={self.attn_dropout} drops "
+                                 f"attention weights, which linear attention never forms; "
+                                 f"use 0")
+            if m is not None and self.feature_map != "favor":
+                raise ValueError(f"GPTConfig: num_features={m} is for feature_map='favor', "
+                                 f"got feature_map={self.feature_map!r}")
+        elif self.feature_map != "elu" or m is not None:
+            raise ValueError(f"GPTConfig: feature_map={self.feature_map!r} / num_features="
+                             f"{m!r} are for attention='linear', got attention="
+                             f"{self.attention!r}")
 
     @property
     def head_dim(self) -> int:
@@ -140,6 +191,12 @@ class GPTOutput(NamedTuple):
 
 def _shape(t: Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
+
+
+def _describe(cache: Any) -> str:
+    if isinstance(cache, (list, tuple)):
+        return f"{type(cache).__name__} of {[repr(c) for c in cache][:2]}"[:300]
+    return type(cache).__name__
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -236,6 +293,12 @@ class GPT(PretrainedMixin, nn.Module):
                                bias=c.bias, num_kv_heads=c.num_kv_heads, rope=self.rope,
                                **factory)
             for _ in range(c.num_layers))
+        if c.attention == "linear":  # the same layer with a linear attention part
+            for layer in self.layers:
+                layer.attn = LinearAttention(
+                    c.dim, c.num_heads, num_kv_heads=c.num_kv_heads, bias=c.bias,
+                    feature_map=c.feature_map, num_features=c.num_features, rope=self.rope,
+                    **factory)
         self.norm = make_norm(c.norm, c.dim, eps=c.norm_eps, **factory)
         self.lm_head = nn.Linear(c.dim, c.vocab_size, bias=False, **factory)
         if c.tie_embeddings:
@@ -268,9 +331,28 @@ class GPT(PretrainedMixin, nn.Module):
 
     # --- caches -------------------------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int, *, dtype: torch.dtype | None = None,
-                  device: torch.device | str | None = None) -> list[KVCache]:
-        """Empty KV caches, one per layer, each (B, Hkv, capacity, D); pass the list as
-        ``cache=`` to every decoding call. ``capacity`` counts prompt + generated tokens."""
+                  device: torch.device | str | None = None
+                  ) -> list[KVCache] | list[LinearCache]:
+        """Empty decoding caches, one per layer; pass the list as ``cache=`` to every
+        decoding call. ``capacity`` counts prompt + generated tokens.
+
+        - softmax attention: ``KVCache``s (B, Hkv, capacity, D);
+        - ``attention_window=W``: ``WindowKVCache``s, ring buffers of W - 1 positions —
+          ``capacity`` may exceed W (it only bounds the positions accepted; memory stays
+          O(W) per layer);
+        - ``attention="linear"``: ``LinearCache``s, the constant-size fp32 state (B, H, D',
+          D) (``capacity`` again only a bound; ``dtype``/``device`` follow the inputs).
+        """
+        c = self.config
+        if c.attention == "linear":
+            return [layer.attn.new_cache(batch, capacity) for layer in self.layers]
+        if c.attention_window is not None:
+            w = self.embed.weight
+            return [WindowKVCache(batch, layer.attn.num_kv_heads, c.attention_window,
+                                  layer.attn.head_dim, capacity=capacity,
+                                  dtype=w.dtype if dtype is None else dtype,
+                                  device=w.device if device is None else device)
+                    for layer in self.layers]
         return [layer.attn.new_cache(batch, capacity, dtype=dtype, device=device)
                 for layer in self.layers]
 
@@ -278,10 +360,15 @@ class GPT(PretrainedMixin, nn.Module):
     def _check_cache(self, cache: Any, batch: int) -> int:
         if cache is None:
             return 0
+        window = self.config.attention_window
+        kind = (LinearCache if self.config.attention == "linear"
+                else KVCache if window is None else WindowKVCache)
         if (not isinstance(cache, (list, tuple)) or len(cache) != len(self.layers)
-                or not all(isinstance(c, KVCache) for c in cache)):
-            raise TypeError(f"GPT: cache must be the list of {len(self.layers)} KVCaches from "
-                            f"new_cache(), got {type(cache).__name__}")
+                or not all(isinstance(c, kind) for c in cache)
+                or (kind is KVCache and any(isinstance(c, WindowKVCache) for c in cache))
+                or (kind is WindowKVCache and any(c.window != window for c in cache))):
+            raise TypeError(f"GPT: cache must be the list of {len(self.layers)} "
+                            f"{kind.__name__}s from new_cache(), got {_describe(cache)}")
         past = cache[0].length
         if any(c.length != past for c in cache) or cache[0].batch != batch:
             raise ValueError(f"GPT: cache does not fit this call: batch {cache[0].batch} vs "
@@ -305,9 +392,23 @@ class GPT(PretrainedMixin, nn.Module):
                              f"{_shape(attention_mask)}")
         return attention_mask.bool()
 
+    def _layer_mask(self, keep: Tensor | None, cache: Any, n: int) -> tuple[Mask | None, bool]:
+        """The layers' ``(mask, causal)``: key padding over the keys the attention sees (the
+        last ``key_length`` of ``keep``) and, with a window, ``SlidingWindow(W)`` (needed only
+        when some returned key is outside some query's window)."""
+        s = n if cache is None else cache[0].key_length(n)
+        if keep is not None:
+            keep = keep[:, keep.shape[1] - s:]  # (B, S)
+        pad = None if keep is None or bool(keep.all()) else Padding(keep=keep)
+        window = self.config.attention_window
+        if window is None or s <= window:  # every key within every query's window
+            return pad, True
+        band = SlidingWindow(window, causal=True)  # causal itself: the sparse band path
+        return (band if pad is None else band & pad), False
+
     # --- forward ------------------------------------------------------------------------------
     def hidden_states(self, input_ids: Tensor, *, attention_mask: Tensor | None = None,
-                      position_ids: Tensor | None = None, cache: list[KVCache] | None = None,
+                      position_ids: Tensor | None = None, cache: list[Any] | None = None,
                       output_attentions: bool = False) -> tuple[Tensor, list[Tensor]]:
         """The final-normed hidden states (B, N, C) and, with ``output_attentions``, the list
         of per-layer weights (B, H, N, S) (else an empty list). Arguments as ``forward``."""
@@ -338,11 +439,11 @@ class GPT(PretrainedMixin, nn.Module):
             x = self.positions(x, pos)  # (B, N, C); a position >= max_len raises ValueError
         if self.drop.p and self.training:
             x = self.drop(x)
-        mask = None if keep is None or bool(keep.all()) else Padding(keep=keep)
+        mask, causal = self._layer_mask(keep, cache, n)
         rope_pos = pos if self.rope is not None else None
         attentions: list[Tensor] = []
         for i, layer in enumerate(self.layers):
-            out = layer(x, mask=mask, causal=True, need_weights=output_attentions,
+            out = layer(x, mask=mask, causal=causal, need_weights=output_attentions,
                         cache=None if cache is None else cache[i], positions=rope_pos)
             if output_attentions:
                 x, w = out
@@ -352,7 +453,7 @@ class GPT(PretrainedMixin, nn.Module):
         return self.norm(x), attentions
 
     def forward(self, input_ids: Tensor, *, attention_mask: Tensor | None = None,
-                position_ids: Tensor | None = None, cache: list[KVCache] | None = None,
+                position_ids: Tensor | None = None, cache: list[Any] | None = None,
                 output_attentions: bool = False) -> Tensor | GPTOutput:
         """Next-token logits.
 
@@ -365,8 +466,9 @@ class GPT(PretrainedMixin, nn.Module):
                 row run alone.
             position_ids: (N,) or (B, N) integer positions; default ``arange(N)`` offset by the
                 cache length.
-            cache: the list from ``new_cache``; the new tokens' keys/values are appended.
-                Decode under ``torch.no_grad()`` / ``torch.inference_mode()``.
+            cache: the list from ``new_cache``; the new tokens' keys/values are appended
+                (a window cache keeps the last W - 1, a linear cache sums them into its
+                state). Decode under ``torch.no_grad()`` / ``torch.inference_mode()``.
             output_attentions: also return each layer's attention weights.
 
         Returns:

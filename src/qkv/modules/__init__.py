@@ -1,10 +1,12 @@
-"""nn.Modules built on ``qkv.ops``: ``MultiHeadAttention`` and its ``KVCache``.
+"""nn.Modules built on ``qkv.ops``: ``MultiHeadAttention`` and its ``KVCache`` (or
+``WindowKVCache`` for sliding-window attention), ``LinearAttention`` and its ``LinearCache``.
 
 Shapes: B batch, N query length, S key length, C model width, H heads, Hkv kv heads,
 D head dim.
 """
 
 from .attention import MultiHeadAttention
-from .cache import KVCache
+from .cache import KVCache, LinearCache, WindowKVCache
+from .linear_attention import LinearAttention
 
-__all__ = ["KVCache", "MultiHeadAttention"]
+__all__ = ["KVCache", "LinearAttention", "LinearCache", "MultiHeadAttention", "WindowKVCache"]

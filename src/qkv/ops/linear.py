@@ -130,9 +130,15 @@ class FavorFeatures:
 # --------------------------------------------------------------------------- validation
 
 
-def _validate(fn: str, q, k, v, feature_map, features, eps, state) -> None:
+def _validate(fn: str, q, k, v, feature_map, features, eps, state, keep=None) -> None:
     check_qkv(fn, q, k, v)
     b, h, _, d = q.shape
+    if keep is not None and (not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool
+                             or shape_of(keep) != (b, k.shape[2])):
+        got = (f"shape {shape_of(keep)} dtype {keep.dtype}" if isinstance(keep, torch.Tensor)
+               else type(keep).__name__)
+        raise ValueError(f"{fn}: keep must be a (B, S) = {(b, k.shape[2])} bool tensor "
+                         f"(True = a real key), got {got}")
     if d == 0 or v.shape[3] == 0:
         raise ValueError(f"{fn}: empty head dim: q {shape_of(q)}, v {shape_of(v)}")
     if feature_map not in FEATURE_MAPS:
@@ -182,21 +188,40 @@ def _query_features(q: Tensor, feature_map: str, features, cdt: torch.dtype
 
 
 def _key_features(k: Tensor, heads: int, feature_map: str, features, cdt: torch.dtype,
-                  prior: Tensor | None) -> tuple[Tensor, Tensor | None]:
+                  prior: Tensor | None, keep: Tensor | None = None
+                  ) -> tuple[Tensor, Tensor | None]:
     """φ(k) expanded to H heads, (B, H, S, D') in ``cdt``, and the key shift (B, H): the
     max of the exponents over keys and features (and ``prior``, a state's log_scale), None
-    for "elu"."""
+    for "elu". Keys where ``keep`` (B, S) is False get zero features."""
     kc = k.to(cdt)
     if feature_map == "elu":
-        return expand_kv(F.elu(kc).add_(1.0), heads), None
+        fk = F.elu(kc).add_(1.0)  # (B, Hkv, S, D)
+        if keep is not None:
+            fk = fk.masked_fill(~keep[:, None, :, None].to(fk.device), 0.0)
+        return expand_kv(fk, heads), None
     logits = expand_kv(features.log_features(kc), heads)  # (B, H, S, m)
+    fallback = None
+    if keep is not None and logits.shape[2] > 0:
+        # a row whose keys are all masked keeps the state's scale, else its raw max
+        fallback = (logits.detach().amax(dim=(2, 3)).nan_to_num(0.0, 0.0, 0.0)
+                    if prior is None else prior.to(cdt))
+        # exp(-inf) = 0, with zero gradient
+        logits = logits.masked_fill(~keep[:, None, :, None].to(logits.device), float("-inf"))
     if logits.shape[2] == 0:  # no keys: keep the state's scale
         shift = logits.new_zeros(logits.shape[:2]) if prior is None else prior.to(cdt)
     else:
         shift = logits.detach().amax(dim=(2, 3))  # (B, H)
+        if fallback is not None:
+            shift = torch.where(torch.isfinite(shift), shift, fallback)
     if prior is not None:
         shift = torch.maximum(shift, prior.to(cdt))
     return torch.exp(logits - shift[:, :, None, None]), shift
+
+
+def _clear(v: Tensor, keep: Tensor | None) -> Tensor:
+    """Values of masked keys set to zero (B, Hkv, S, Dv), so that whatever they hold (NaN,
+    inf) cannot reach the sums: 0 · NaN is NaN."""
+    return v if keep is None else v.masked_fill(~keep[:, None, :, None].to(v.device), 0.0)
 
 
 def _rescale(state: LinearState | None, shift: Tensor | None, like: Tensor, fdim: int,
@@ -264,6 +289,7 @@ def linear_attention(
     features: FavorFeatures | None = None,
     return_state: bool = False,
     state: LinearState | None = None,
+    keep: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, LinearState]:
     """Kernelised linear attention, out_i = φ(q_i)ᵀ KV / (φ(q_i)ᵀ z + eps).
 
@@ -283,6 +309,9 @@ def linear_attention(
             ``linear_attention_step`` or another call.
         state: a ``LinearState`` (kv (B, H, D', Dv), z (B, H, D')) of earlier keys, added to
             the sums (every query sees it, causal or not).
+        keep: (B, S) bool, True = a real key; False keys (padding) get zero features, so
+            they add nothing to the sums or the state. A query that sees no real key
+            returns zeros.
 
     Returns:
         out (B, H, N, Dv) in q's dtype, or ``(out, state)`` with the state in fp32 (fp64 for
@@ -293,7 +322,7 @@ def linear_attention(
         feature map, causal with N != S, chunk_size).
     """
     fn = "linear_attention"
-    _validate(fn, q, k, v, feature_map, features, eps, state)
+    _validate(fn, q, k, v, feature_map, features, eps, state, keep)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"{fn}: chunk_size must be a positive int, got {chunk_size!r}")
     n, s = q.shape[2], k.shape[2]
@@ -304,8 +333,8 @@ def linear_attention(
     cdt = compute_dtype(q.dtype)
     prior = None if state is None else state.log_scale
     fq, q_shift = _query_features(q, feature_map, features, cdt)  # (B, H, N, D')
-    fk, k_shift = _key_features(k, heads, feature_map, features, cdt, prior)
-    vc = expand_kv(v.to(cdt), heads)  # (B, H, S, Dv)
+    fk, k_shift = _key_features(k, heads, feature_map, features, cdt, prior, keep)
+    vc = expand_kv(_clear(v.to(cdt), keep), heads)  # (B, H, S, Dv)
     ones = vc.new_ones(*vc.shape[:3], 1)  # (B, H, S, 1)
     va = torch.cat([vc, ones], dim=-1)  # (B, H, S, Dv+1): the ones column sums to z
     kv0, z0 = _rescale(state, k_shift, q, fq.shape[-1], dv, cdt)
@@ -329,6 +358,7 @@ def linear_attention_step(
     feature_map: str = "elu",
     features: FavorFeatures | None = None,
     eps: float = 1e-6,
+    keep: Tensor | None = None,
 ) -> tuple[Tensor, LinearState]:
     """One decoding step of causal linear attention, the recurrent form.
 
@@ -341,13 +371,14 @@ def linear_attention_step(
         state: ``LinearState`` of the earlier keys (kv (B, H, D', Dv), z (B, H, D')), e.g.
             from ``linear_attention(..., causal=True, return_state=True)``; None = empty.
         feature_map, features, eps: as for ``linear_attention`` (use the same ones).
+        keep: (B, 1) bool, False = the new key is padding: it leaves the sums unchanged.
 
     Returns:
         ``(out_t, new_state)``: out_t (B, H, 1, Dv) in q_t's dtype; the state in fp32 (fp64
         for fp64 inputs).
     """
     fn = "linear_attention_step"
-    _validate(fn, q_t, k_t, v_t, feature_map, features, eps, state)
+    _validate(fn, q_t, k_t, v_t, feature_map, features, eps, state, keep)
     if q_t.shape[2] != 1 or k_t.shape[2] != 1:
         raise ValueError(f"{fn}: q_t and k_t must hold one position (B, H, 1, D), got "
                          f"q_t {shape_of(q_t)}, k_t {shape_of(k_t)}")
@@ -355,8 +386,8 @@ def linear_attention_step(
     cdt = compute_dtype(q_t.dtype)
     prior = None if state is None else state.log_scale
     fq, q_shift = _query_features(q_t, feature_map, features, cdt)  # (B, H, 1, D')
-    fk, k_shift = _key_features(k_t, heads, feature_map, features, cdt, prior)
-    vc = expand_kv(v_t.to(cdt), heads)  # (B, H, 1, Dv)
+    fk, k_shift = _key_features(k_t, heads, feature_map, features, cdt, prior, keep)
+    vc = expand_kv(_clear(v_t.to(cdt), keep), heads)  # (B, H, 1, Dv)
     kv, z = _rescale(state, k_shift, q_t, fq.shape[-1], dv, cdt)
     kv = kv + fk[:, :, 0, :, None] * vc[:, :, 0, None, :]  # (B, H, D', Dv)
     z = z + fk[:, :, 0]  # (B, H, D')
