@@ -17,7 +17,7 @@ import sys
 __all__ = ["COMMANDS", "UserError", "build_parser", "main"]
 
 #: modules of ``qkv.cli`` that register a command, in ``qkv --help`` order
-COMMANDS = ("demo", "attention", "bench", "generate")
+COMMANDS = ("demo", "train", "attention", "bench", "generate")
 
 
 class UserError(Exception):

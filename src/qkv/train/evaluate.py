@@ -42,16 +42,17 @@ def translate(model: nn.Module, tokenizer: Any, sources: list[str], *, max_new_t
 def complete(model: nn.Module, tokenizer: Any, sources: list[str], *, max_new_tokens: int,
              num_beams: int = 1) -> list[str]:
     """GPT answers to pair sources: prompts bos + source + eos, left-padded, continued until
-    eos; the new tokens decoded to strings."""
+    eos (or the model's ``max_len``); the new tokens decoded to strings."""
     from ..generation import generate
 
     out: list[str] = []
     for i in range(0, len(sources), DECODE_BATCH):
         prompts = gpt_prompts(sources[i:i + DECODE_BATCH], tokenizer)
         width = max(len(p) for p in prompts)
+        budget = min(max_new_tokens, model.config.max_len - width + 1)
         ids = torch.tensor([[tokenizer.pad_id] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        res = generate(model, ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+        res = generate(model, ids, attention_mask=mask, max_new_tokens=budget,
                        num_beams=num_beams, pad_token_id=tokenizer.pad_id,
                        eos_token_id=tokenizer.eos_id)
         out += [tokenizer.decode(_cut(row[width:], tokenizer.eos_id)) for row in res.tolist()]

@@ -63,9 +63,9 @@ def _max_len(config: TrainConfig, raw: Any, tokenizer: Any) -> int:
     else:
         src = max(len(tokenizer.encode(s)) for s, _ in raw)
         tgt = max(len(tokenizer.encode(t)) for _, t in raw)
-    if config.model == "gpt":
-        return src + tgt + 3  # bos source eos target eos
-    return max(src, tgt) + 2  # + eos (source) / bos, eos (target); bert: bos ... eos
+    if config.model == "transformer":
+        return max(src, tgt) + 2  # source + eos; bos + target / target + eos
+    return src + tgt + 3  # gpt: bos source eos target eos; bert: bos source " " target eos
 
 
 def _data(config: TrainConfig, raw: Any, tokenizer: Any, max_len: int | None

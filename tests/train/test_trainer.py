@@ -1,0 +1,193 @@
+"""The training loop: overfitting, bit-identical resume after an interruption, atomic
+checkpoints, the NaN stop, the three model kinds on tasks and files."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from qkv.models import CheckpointError
+from qkv.train import TrainConfig, Trainer, TrainingError, find_checkpoint, load_run
+from qkv.train import checkpoint as ckpt_module
+
+TINY = dict(dim=32, num_heads=2, ffn_hidden=64, dropout=0.1)
+
+
+def config(**kw) -> TrainConfig:
+    base = dict(model="transformer", task="copy", preset="transformer-tiny",
+                overrides=dict(TINY, num_encoder_layers=1, num_decoder_layers=1),
+                steps=8, batch_size=8, lr=3e-3, warmup=2, eval_every=3, eval_examples=8)
+    return TrainConfig(**{**base, **kw})
+
+
+def losses(run: Path) -> list[tuple[int, float, float, float]]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in rows if "loss" in r]
+
+
+def weights(run: Path) -> dict[str, torch.Tensor]:
+    model, _ = load_run(run)
+    return model.state_dict()
+
+
+def quiet(**kw) -> dict:
+    return dict(progress=False, log=lambda line: None, **kw)
+
+
+def test_resume_after_an_interruption_is_bit_identical(tmp_path, monkeypatch):
+    """Kill the run during step 5 (after the step-3 checkpoint): the resumed run redoes steps
+    4..8 and matches an uninterrupted run exactly — losses, lr, grad norms, weights (dropout
+    on, so the RNG state must be restored too)."""
+    Trainer(config(), tmp_path / "whole", **quiet()).run()
+
+    real_step = Trainer.train_step
+
+    def crash_at_5(self):
+        if self.step == 4:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", crash_at_5)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(config(), tmp_path / "cut", **quiet()).run()
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    assert json.loads((tmp_path / "cut/checkpoint/trainer_state.json").read_text())["step"] == 3
+    resumed = Trainer.resume(tmp_path / "cut", **quiet())
+    assert resumed.step == 3
+    resumed.run()
+
+    assert losses(tmp_path / "cut") == losses(tmp_path / "whole")
+    assert len(losses(tmp_path / "whole")) == 8
+    a, b = weights(tmp_path / "whole"), weights(tmp_path / "cut")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_extends_a_finished_run_to_more_steps(tmp_path):
+    """``--steps`` counts the whole run: 4 steps then resume to 8 == 8 steps (inverse-sqrt
+    does not depend on the total)."""
+    Trainer(config(eval_every=4), tmp_path / "whole", **quiet()).run()
+    Trainer(config(eval_every=4, steps=4), tmp_path / "two", **quiet()).run()
+    Trainer.resume(tmp_path / "two", steps=8, **quiet()).run()
+    assert losses(tmp_path / "two") == losses(tmp_path / "whole")
+    assert json.loads((tmp_path / "two/run.json").read_text())["steps"] == 4  # as started
+    assert json.loads((tmp_path / "two/checkpoint/run.json").read_text())["steps"] == 8
+
+
+def test_a_save_that_fails_midway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    Trainer(config(steps=3), run, **quiet()).run()
+    before = weights(run)
+
+    def broken_save(tensors, path, *args, **kwargs):
+        Path(path).write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt_module, "save_file", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        Trainer.resume(run, steps=6, **quiet()).run()
+    after = weights(run)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert json.loads((run / "checkpoint/trainer_state.json").read_text())["step"] == 3
+
+
+def test_a_kill_between_the_two_renames_falls_back_to_the_old_checkpoint(tmp_path,
+                                                                          monkeypatch):
+    run = tmp_path / "run"
+    Trainer(config(steps=3), run, **quiet()).run()
+    real_replace = os.replace
+
+    def stop_after_first(src, dst):
+        real_replace(src, dst)
+        if str(dst).endswith("checkpoint.old"):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt_module.os, "replace", stop_after_first)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer.resume(run, steps=6, **quiet()).run()
+    monkeypatch.setattr(ckpt_module.os, "replace", real_replace)
+    assert not (run / "checkpoint").exists()
+    assert find_checkpoint(run) == run / "checkpoint.old"
+    model, tok = load_run(run)
+    assert tok.vocab_size == model.config.src_vocab_size
+    resumed = Trainer.resume(run, steps=6, **quiet())
+    assert resumed.step == 3
+    resumed.run()
+    assert (run / "checkpoint").exists() and not (run / "checkpoint.old").exists()
+
+
+def test_a_nan_loss_stops_training_naming_the_step(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    trainer = Trainer(config(), run, **quiet())
+    real_forward = type(trainer.objective).forward
+
+    def nan_at_5(self, batch):
+        loss, count = real_forward(self, batch)
+        return (loss * float("nan"), count) if trainer.step == 4 else (loss, count)
+
+    monkeypatch.setattr(type(trainer.objective), "forward", nan_at_5)
+    with pytest.raises(TrainingError, match=r"step 5: loss is nan.*step 3"):
+        trainer.run()
+    assert json.loads((run / "checkpoint/trainer_state.json").read_text())["step"] == 3
+    load_run(run)  # the last good checkpoint is intact
+
+
+def test_a_tiny_transformer_overfits_a_tiny_batch(tmp_path, monkeypatch):
+    """The same 8 reversal examples every step: the loss must fall far."""
+    cfg = config(task="reverse", steps=150, eval_every=150, lr=1e-2, warmup=10,
+                 label_smoothing=0.0, overrides=dict(TINY, dropout=0.0))
+    trainer = Trainer(cfg, tmp_path / "run", **quiet())
+    fixed = trainer.data.train(0, 8)
+    monkeypatch.setattr(trainer.data, "train", lambda start, count: fixed)
+    trainer.run()
+    rows = losses(tmp_path / "run")
+    assert rows[0][1] > 2.0 and rows[-1][1] < 0.05, (rows[0], rows[-1])
+
+
+@pytest.mark.parametrize("kind", ["gpt", "bert-mlm"])
+def test_gpt_and_bert_train_on_a_task(tmp_path, kind):
+    preset = {"gpt": "gpt-tiny", "bert-mlm": "bert-tiny"}[kind]
+    cfg = config(model=kind, preset=preset, overrides=dict(dim=32, num_heads=2), steps=4)
+    result = Trainer(cfg, tmp_path / "run", **quiet()).run()
+    assert result["step"] == 4 and result["eval_loss"] > 0
+    assert ("exact_match" in result) == (kind == "gpt")
+    assert ("masked_accuracy" in result) == (kind == "bert-mlm")
+    model, _ = load_run(tmp_path / "run")
+    assert type(model).__name__ == {"gpt": "GPT", "bert-mlm": "BERT"}[kind]
+
+
+def test_files_tsv_and_text_with_bpe(tmp_path):
+    tsv = tmp_path / "pairs.tsv"
+    tsv.write_text("".join(f"{w}\t{w[::-1]}\n" for w in ["abc", "hello", "qkv", "猫坐在垫子上",
+                                                         "attention", "它很累"] * 4))
+    result = Trainer(config(task=None, data=str(tsv), steps=2, eval_every=2), tmp_path / "s2s",
+                     **quiet()).run()
+    assert 0 <= result["exact_match"] <= 1
+    text = tmp_path / "corpus.txt"
+    text.write_text("the cat sat on the mat because it was tired. " * 200)
+    cfg = config(model="gpt", preset="gpt-tiny", task=None, data=str(text), tokenizer="bpe",
+                 bpe_vocab_size=300, max_len=16, overrides=dict(dim=32, num_heads=2), steps=2,
+                 eval_every=2)
+    result = Trainer(cfg, tmp_path / "lm", **quiet()).run()
+    assert "exact_match" not in result and result["eval_loss"] > 0
+
+
+def test_refuses_to_overwrite_a_run_and_resume_needs_one(tmp_path):
+    Trainer(config(steps=1, eval_every=1), tmp_path / "run", **quiet()).run()
+    with pytest.raises(ValueError, match="already holds a run"):
+        Trainer(config(steps=1), tmp_path / "run", **quiet())
+    with pytest.raises(CheckpointError, match="cannot resume"):
+        Trainer.resume(tmp_path / "nothing-here", **quiet())
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    (dict(model="t5"), "model must be"), (dict(task=None), "exactly one"),
+    (dict(data="x.tsv"), "exactly one"), (dict(tokenizer="wordpiece"), "tokenizer"),
+    (dict(steps=0), "steps"), (dict(lr=0.0), "lr"), (dict(label_smoothing=1.0), "smoothing"),
+])
+def test_bad_settings_are_named(kw, match):
+    with pytest.raises(ValueError, match=match):
+        config(**kw)
