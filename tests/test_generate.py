@@ -9,11 +9,13 @@ are compared, so that rounding cannot flip an argmax.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import qkv
-from qkv.generation import api, filter_logits, reorder_cache
+from qkv.generation import api, fast_gpt, filter_logits, reorder_cache
 from qkv.generation.fast_gpt import FastGPTStepper, eligible
 from qkv.models import GPT, GPTConfig, Transformer, TransformerConfig
 
@@ -124,6 +126,29 @@ def test_gpt_subclass_uses_generic_path():
                            qkv.generate(model, ids, attention_mask=mask, max_new_tokens=8, **kw))
 
 
+_GPT_FIELDS = {f.name for f in dataclasses.fields(GPTConfig)}
+
+
+@pytest.mark.parametrize("variant", [dict(attention_window=4),
+                                     dict(attention_window=3, positions="rope"),
+                                     dict(attention="linear"),
+                                     dict(attention="linear", feature_map="favor")],
+                         ids=["window", "window-rope", "linear-elu", "linear-favor"])
+@pytest.mark.parametrize("kw", SEARCHES[:3], ids=["greedy", "beam3", "beam3-lp0.5-eos"])
+def test_gpt_variants_cached_equals_uncached(variant, kw):
+    """Sliding-window GPTs decode with ring-buffer caches, linear-attention GPTs with a
+    recurrent state: the generic stepper (and its beam reordering) must not care."""
+    if not set(variant) <= _GPT_FIELDS:
+        pytest.skip(f"GPTConfig has no {sorted(set(variant) - _GPT_FIELDS)}")
+    model = _gpt(**variant)
+    assert not eligible(model)
+    ids, mask = _prompts()
+    cached = qkv.generate(model, ids, attention_mask=mask, max_new_tokens=10, **kw)
+    uncached = qkv.generate(model, ids, attention_mask=mask, max_new_tokens=10,
+                            use_cache=False, **kw)
+    assert torch.equal(cached, uncached)
+
+
 # --- the fast GPT step computes GPT.forward ------------------------------------------------
 @pytest.mark.parametrize("kw", [dict(), dict(positions="rope"), dict(num_kv_heads=2),
                                 dict(activation="relu", bias=False, tie_embeddings=False),
@@ -153,6 +178,44 @@ def test_fast_step_not_used_for_dropout_in_training_or_half():
     assert eligible(_gpt(dropout=0.1).eval())
     assert not eligible(_gpt(norm="rmsnorm"))
     assert not eligible(_gpt(dtype=torch.bfloat16))
+
+
+def test_transposed_weights_are_reused_and_invalidated():
+    model = _gpt(dtype=torch.float32)
+    ids, mask = _prompts()
+
+    def check():  # fast path == the model's own uncached forward passes
+        out = qkv.generate(model, ids, attention_mask=mask, max_new_tokens=6)
+        assert torch.equal(out, qkv.generate(model, ids, attention_mask=mask,
+                                             max_new_tokens=6, use_cache=False))
+        return out
+
+    first = check()
+    kept = fast_gpt.transposed_weights(model)
+    assert fast_gpt.transposed_weights(model) is kept  # reused while unchanged
+    with torch.no_grad():
+        model.layers[0].ffn.fc_in.weight.mul_(-1.0)  # in place: version counter
+    assert fast_gpt.transposed_weights(model) is not kept
+    assert not torch.equal(check(), first)
+    kept = fast_gpt.transposed_weights(model)
+    model.lm_head.weight.data.normal_()  # through .data: no version bump, caught by samples
+    assert fast_gpt.transposed_weights(model) is not kept
+    check()
+    model.load_state_dict(_gpt(dtype=torch.float32).state_dict())
+    assert torch.equal(check(), first)
+    fast_gpt.release(model)
+    assert model not in fast_gpt._PLANS
+
+
+def test_transposed_weights_die_with_the_model():
+    import gc
+
+    model = _gpt(dtype=torch.float32)
+    fast_gpt.transposed_weights(model)
+    before = len(fast_gpt._PLANS)
+    del model
+    gc.collect()
+    assert len(fast_gpt._PLANS) == before - 1
 
 
 # --- equivalences ------------------------------------------------------------------------
