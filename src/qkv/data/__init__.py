@@ -11,8 +11,22 @@ Shapes: B batch, N padded sequence length.
   ``read_tokenizer``, ``SPECIALS`` (``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3).
 - Files (``qkv.data.files``): ``read_pairs`` (TSV source<TAB>target), ``read_text``,
   ``DataError`` (a ValueError).
+- Pronoun resolution (``qkv.data.coref``): ``CorefExample``, ``coref_examples``,
+  ``coref_sentence``, ``coref_split``, ``coref_vocabulary``, ...; ``WordTokenizer``
+  (``qkv.data.words``, one id per word).
 """
 
+from .coref import (
+    COREF_KINDS,
+    COREF_LANGS,
+    CorefExample,
+    coref_examples,
+    coref_lexicon,
+    coref_sentence,
+    coref_split,
+    coref_split_pairs,
+    coref_vocabulary,
+)
 from .dates import (
     DATE_FORMATS,
     DateSample,
@@ -25,8 +39,11 @@ from .dates import (
 from .files import DataError, read_pairs, read_text
 from .tasks import TASKS, AdditionTask, DatesTask, StringTask, Task, get_task
 from .tokenizer import SPECIALS, BPETokenizer, CharTokenizer, read_tokenizer
+from .words import WordTokenizer
 
-__all__ = ["DATE_FORMATS", "SPECIALS", "TASKS", "AdditionTask", "BPETokenizer", "CharTokenizer",
-           "DataError", "DateSample", "DatesTask", "StringTask", "Task", "chinese_number",
-           "date_examples", "date_sample", "date_split", "get_task", "read_pairs", "read_text",
-           "read_tokenizer", "render_date"]
+__all__ = ["COREF_KINDS", "COREF_LANGS", "DATE_FORMATS", "SPECIALS", "TASKS", "AdditionTask",
+           "BPETokenizer", "CharTokenizer", "CorefExample", "DataError", "DateSample", "DatesTask",
+           "StringTask", "Task", "WordTokenizer", "chinese_number", "coref_examples",
+           "coref_lexicon", "coref_sentence", "coref_split", "coref_split_pairs",
+           "coref_vocabulary", "date_examples", "date_sample", "date_split", "get_task",
+           "read_pairs", "read_text", "read_tokenizer", "render_date"]

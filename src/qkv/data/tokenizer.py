@@ -283,6 +283,10 @@ def read_tokenizer(path: str | os.PathLike) -> CharTokenizer | BPETokenizer:
             from tokenizers import Tokenizer
 
             return BPETokenizer(Tokenizer.from_str(data["tokenizer"]))
+        if kind == "word":
+            from .words import WordTokenizer
+
+            return WordTokenizer(data["words"])
     except Exception as err:  # KeyError, TypeError; tokenizers raises a bare Exception
         raise DataError(f"{path}: broken {kind} tokenizer: {err!r}") from err
-    raise DataError(f"{path}: unknown tokenizer kind {kind!r} (expected 'char' or 'bpe')")
+    raise DataError(f"{path}: unknown tokenizer kind {kind!r} (expected 'char', 'bpe' or 'word')")
