@@ -84,10 +84,10 @@ def test_generated_target_and_layer_head_selection(run_dir, tmp_path, capsys):
 
 
 def test_cached_greedy_decoding_equals_full_recomputation():
-    from qkv.cli.attention import _greedy_continue, _greedy_target
+    from qkv.cli.attention import _generate
 
     class Tok:
-        bos_id, eos_id = 1, 2
+        pad_id, bos_id, eos_id = 0, 1, 2
 
     torch.manual_seed(3)
     model = Transformer(TransformerConfig.from_name("transformer-tiny")).eval()
@@ -98,7 +98,7 @@ def test_cached_greedy_decoding_equals_full_recomputation():
             if nxt == 2:
                 break
             out.append(nxt)
-    assert _greedy_target(model, src, Tok, 6) == out
+    assert _generate(model, src, Tok, 6, encoder_decoder=True) == out
     gpt = GPT(GPTConfig.from_name("gpt-tiny", vocab_size=32, max_len=32, dim=32)).eval()
     ids = [1, 7, 8, 9]
     with torch.no_grad():
@@ -107,7 +107,7 @@ def test_cached_greedy_decoding_equals_full_recomputation():
             if nxt == 2:
                 break
             ids.append(nxt)
-    assert _greedy_continue(gpt, [1, 7, 8, 9], Tok, 6) == ids
+    assert _generate(gpt, [1, 7, 8, 9], Tok, 6, encoder_decoder=False) == ids
 
 
 def test_gpt_run(tmp_path, capsys):

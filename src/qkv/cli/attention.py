@@ -82,52 +82,13 @@ def _max_len(model: nn.Module) -> int | None:
     return getattr(c, "max_len", None)
 
 
-@torch.no_grad()
-def _greedy_target(model: nn.Module, src: list[int], tok: Any, budget: int) -> list[int]:
-    """bos + the encoder-decoder's greedy output for ``src`` (without its eos), decoded
-    one token at a time with a KV cache."""
-    memory, memory_mask = model.encode(torch.tensor([src]))  # (1, S, C), (1, S)
-    memory_kv = model.precompute_memory_kv(memory)
-    cache = model.new_cache(1, budget + 1)
-    out = [tok.bos_id]
-    for _ in range(budget):
-        logits = model.decode(torch.tensor([out[-1:]]), memory_kv=memory_kv,
-                              memory_mask=memory_mask, cache=cache)  # (1, 1, V)
-        nxt = int(logits[0, -1].argmax())
-        if nxt == tok.eos_id:
-            break
-        out.append(nxt)
-    return out
-
-
-@torch.no_grad()
-def _greedy_continue(model: nn.Module, ids: list[int], tok: Any, budget: int) -> list[int]:
-    """``ids`` + a GPT's greedy continuation, up to (without) its eos (KV cache)."""
-    out = list(ids)
-    cache = model.new_cache(1, len(ids) + budget)
-    step = out
-    for _ in range(budget):
-        nxt = int(model(torch.tensor([step]), cache=cache)[0, -1].argmax())
-        if nxt == tok.eos_id:
-            break
-        out.append(nxt)
-        step = [nxt]
-    return out
-
-
 def _generate(model: nn.Module, ids: list[int], tok: Any, budget: int, *,
               encoder_decoder: bool) -> list[int]:
-    """Greedy decoding in eval mode, cut before the first eos: bos + output (encoder-decoder,
-    ``ids`` the source) or ``ids`` + continuation (GPT). ``qkv.generate`` when present."""
+    """Greedy decoding with ``qkv.generate`` in eval mode, cut before the first eos:
+    bos + output (encoder-decoder, ``ids`` the source) or ``ids`` + continuation (GPT)."""
+    from ..generation import generate
+
     model.eval()
-    try:
-        from ..generation import generate
-    except ImportError:  # pragma: no cover - qkv.generation absent
-        generate = None
-    if generate is None:
-        if encoder_decoder:
-            return _greedy_target(model, ids, tok, budget)
-        return _greedy_continue(model, ids, tok, budget)
     extra = {"decoder_start_token_id": tok.bos_id} if encoder_decoder else {}
     row = generate(model, torch.tensor([ids]), max_new_tokens=budget,
                    eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, **extra)[0].tolist()

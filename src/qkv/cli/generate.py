@@ -114,7 +114,7 @@ def _check_decoding(args: argparse.Namespace) -> None:
 def _run_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from ..generation import generate
+    from ..generation import complete
     from . import UserError
 
     _check_decoding(args)
@@ -125,34 +125,15 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.sample and args.beams > 1:
         raise UserError("--sample and --beams > 1 cannot be combined")
     model, tok, info = _load(args.run, "gpt")
-    pairs = info.get("task") is not None  # trained as bos + source + eos + target + eos
-    prompts = [([tok.bos_id, *tok.encode(p), tok.eos_id] if pairs else tok.encode(p))
-               for p in args.prompt]
-    if any(not p for p in prompts):
-        raise UserError("--prompt must not be empty for a GPT trained on text")
-    width = max(len(p) for p in prompts)
-    room = model.config.max_len - width + 1
-    if room < 1:
-        raise UserError(f"a prompt of {width} tokens does not fit the model's max_len="
-                        f"{model.config.max_len}")
-    steps = args.max_new_tokens or min(100, room)
-    ids = torch.tensor([[tok.pad_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     generator = None if args.seed is None else torch.Generator().manual_seed(args.seed)
-    out = generate(model, ids, attention_mask=mask, max_new_tokens=steps, num_beams=args.beams,
-                   length_penalty=args.length_penalty, do_sample=args.sample,
-                   temperature=1.0 if args.temperature is None else args.temperature,
-                   top_k=args.top_k, top_p=args.top_p,
-                   eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, generator=generator)
-    for prompt, row in zip(prompts, out.tolist(), strict=True):
-        new = _until(row[width:], tok.eos_id)
-        print(tok.decode(new) if pairs else tok.decode(prompt + new))
+    outputs = complete(model, tok, args.prompt, framed=info.get("task") is not None,
+                       max_new_tokens=args.max_new_tokens, num_beams=args.beams,
+                       length_penalty=args.length_penalty, do_sample=args.sample,
+                       temperature=1.0 if args.temperature is None else args.temperature,
+                       top_k=args.top_k, top_p=args.top_p, generator=generator)
+    print("\n".join(outputs))
     sys.stdout.flush()
     return 0
-
-
-def _until(ids: list[int], eos: int) -> list[int]:
-    return ids[:ids.index(eos)] if eos in ids else ids
 
 
 def _inputs(args: argparse.Namespace) -> list[str]:
@@ -175,29 +156,13 @@ def _inputs(args: argparse.Namespace) -> list[str]:
 
 
 def _run_translate(args: argparse.Namespace) -> int:
-    import torch
-
-    from ..generation import generate
-    from . import UserError
+    from ..generation import translate
 
     _check_decoding(args)
     sources = _inputs(args)
     model, tok, _ = _load(args.run, "transformer")
-    c = model.config
-    steps = args.max_new_tokens or (min(100, c.max_len) if c.absolute_positions else 100)
-    for start in range(0, len(sources), 64):
-        chunk = [[*tok.encode(s), tok.eos_id] for s in sources[start:start + 64]]
-        if c.absolute_positions and max(len(s) for s in chunk) > c.max_len:
-            raise UserError(f"an input of {max(len(s) for s in chunk)} tokens is longer than "
-                            f"the model's max_len={c.max_len}")
-        width = max(len(s) for s in chunk)
-        src = torch.tensor([s + [tok.pad_id] * (width - len(s)) for s in chunk])
-        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in chunk])
-        out = generate(model, src, attention_mask=mask, max_new_tokens=steps,
-                       num_beams=args.beams, length_penalty=args.length_penalty,
-                       eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
-                       decoder_start_token_id=tok.bos_id)
-        for row in out.tolist():
-            print(tok.decode(_until(row[1:], tok.eos_id)))
+    outputs = translate(model, tok, sources, max_new_tokens=args.max_new_tokens,
+                        num_beams=args.beams, length_penalty=args.length_penalty)
+    print("\n".join(outputs))
     sys.stdout.flush()
     return 0

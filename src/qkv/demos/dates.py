@@ -62,7 +62,8 @@ def run_dates_demo(*, out: str | None = None, quick: bool = False, seed: int = 0
         seed: model initialisation and dropout.
     """
     from ..data import get_task
-    from ..train import TrainConfig, Trainer, exact_match, translate
+    from ..generation import translate
+    from ..train import TrainConfig, Trainer, exact_match
 
     t0 = time.perf_counter()
     run_dir = Path(out or f"runs/demo-dates-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -83,10 +84,9 @@ def run_dates_demo(*, out: str | None = None, quick: bool = False, seed: int = 0
     model, tok = trainer.model.eval(), trainer.tokenizer
     count = 50 if quick else TEST_EXAMPLES
     test = task.examples("test", 0, count)
-    budget = trainer.max_len - 1
     with torch.no_grad():
-        preds = translate(model, tok, [s for s, _ in test], max_new_tokens=budget)
-        shown = translate(model, tok, list(SHOWCASE), max_new_tokens=budget)
+        preds = translate(model, tok, [s for s, _ in test], batch_size=250)
+        shown = translate(model, tok, list(SHOWCASE))
     accuracy = exact_match(preds, [t for _, t in test])
     print("\nExamples:")
     for source, pred in zip(SHOWCASE, shown, strict=True):
@@ -95,7 +95,7 @@ def run_dates_demo(*, out: str | None = None, quick: bool = False, seed: int = 0
     for source, pred, target in misses:
         print(f"  miss: {source!r} -> {pred!r} (expected {target})")
     png = _alignment(model, tok, ALIGNMENT_EXAMPLE,
-                     translate(model, tok, [ALIGNMENT_EXAMPLE], max_new_tokens=budget)[0],
+                     translate(model, tok, [ALIGNMENT_EXAMPLE])[0],
                      run_dir / "cross_attention.png")
     wall = time.perf_counter() - t0
     summary = {"exact_match": accuracy, "test_examples": count, "steps": config.steps,

@@ -1,8 +1,7 @@
 """Held-out evaluation during training: loss, and the metric a user reads — exact match of
-greedy outputs for pair tasks (Transformer, GPT), masked-token accuracy for BERT.
-
-``translate`` / ``complete`` decode lists of strings with ``qkv.generate``; ``evaluate``
-runs everything in eval mode under ``torch.no_grad`` and restores the training flag.
+greedy outputs for pair tasks (Transformer, GPT; decoded with ``qkv.generation.translate`` /
+``complete``), masked-token accuracy for BERT. ``evaluate`` runs in eval mode under
+``torch.no_grad`` and restores the training flag.
 """
 
 from __future__ import annotations
@@ -13,50 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .data import IGNORE, PairData, TextData, gpt_prompts, make_batch
+from .data import IGNORE, PairData, TextData, make_batch
 
-__all__ = ["complete", "evaluate", "exact_match", "translate"]
+__all__ = ["evaluate", "exact_match"]
 
 DECODE_BATCH = 250
-
-
-def _cut(ids: list[int], eos: int) -> list[int]:
-    return ids[:ids.index(eos)] if eos in ids else ids
-
-
-def translate(model: nn.Module, tokenizer: Any, sources: list[str], *, max_new_tokens: int,
-              num_beams: int = 1) -> list[str]:
-    """Encoder-decoder outputs for source strings (greedy, or beam search with
-    ``num_beams`` > 1), decoded to strings; batches of 250."""
-    from ..generation import generate
-
-    out: list[str] = []
-    for i in range(0, len(sources), DECODE_BATCH):
-        chunk = [(s, "") for s in sources[i:i + DECODE_BATCH]]
-        src = make_batch("transformer", chunk, tokenizer)["src"]  # (B, S)
-        ids = generate(model, src, max_new_tokens=max_new_tokens, num_beams=num_beams)
-        out += [tokenizer.decode(_cut(row[1:], tokenizer.eos_id)) for row in ids.tolist()]
-    return out
-
-
-def complete(model: nn.Module, tokenizer: Any, sources: list[str], *, max_new_tokens: int,
-             num_beams: int = 1) -> list[str]:
-    """GPT answers to pair sources: prompts bos + source + eos, left-padded, continued until
-    eos (or the model's ``max_len``); the new tokens decoded to strings."""
-    from ..generation import generate
-
-    out: list[str] = []
-    for i in range(0, len(sources), DECODE_BATCH):
-        prompts = gpt_prompts(sources[i:i + DECODE_BATCH], tokenizer)
-        width = max(len(p) for p in prompts)
-        budget = min(max_new_tokens, model.config.max_len - width + 1)
-        ids = torch.tensor([[tokenizer.pad_id] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        res = generate(model, ids, attention_mask=mask, max_new_tokens=budget,
-                       num_beams=num_beams, pad_token_id=tokenizer.pad_id,
-                       eos_token_id=tokenizer.eos_id)
-        out += [tokenizer.decode(_cut(row[width:], tokenizer.eos_id)) for row in res.tolist()]
-    return out
 
 
 def exact_match(predictions: list[str], targets: list[str]) -> float:
@@ -80,7 +40,7 @@ def _loss(kind: str, model: nn.Module, batch: dict[str, Tensor]) -> tuple[float,
 
 
 def evaluate(kind: str, model: nn.Module, tokenizer: Any, data: PairData | TextData,
-             count: int, max_len: int) -> dict[str, float]:
+             count: int) -> dict[str, float]:
     """Metrics on ``count`` held-out examples: ``eval_loss`` (mean token cross-entropy, no
     label smoothing), plus ``exact_match`` (pairs; Transformer/GPT) or ``masked_accuracy``
     (BERT)."""
@@ -102,10 +62,13 @@ def evaluate(kind: str, model: nn.Module, tokenizer: Any, data: PairData | TextD
             if kind == "bert-mlm":
                 result["masked_accuracy"] = correct / max(n, 1)
             elif isinstance(data, PairData):
+                from ..generation import complete, translate
+
                 sources, targets = [s for s, _ in items], [t for _, t in items]
-                decode = translate if kind == "transformer" else complete
-                budget = max_len - 1 if kind == "transformer" else max_len
-                preds = decode(model, tokenizer, sources, max_new_tokens=budget)
+                if kind == "transformer":
+                    preds = translate(model, tokenizer, sources, batch_size=DECODE_BATCH)
+                else:
+                    preds = complete(model, tokenizer, sources, batch_size=DECODE_BATCH)
                 result["exact_match"] = exact_match(preds, targets)
     finally:
         model.train(was_training)

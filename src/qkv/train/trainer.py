@@ -241,7 +241,7 @@ class Trainer:
         if self.world.is_main:
             result = {"step": self.step, **evaluate(self.config.model, self.model,
                                                     self.tokenizer, self.data,
-                                                    self.config.eval_examples, self.max_len)}
+                                                    self.config.eval_examples)}
             metrics.write(json.dumps(result) + "\n")
             metrics.flush()
             save_checkpoint(self.out, model=self.model, tokenizer=self.tokenizer,

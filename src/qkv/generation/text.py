@@ -1,0 +1,111 @@
+"""Strings in, strings out: decode lists of texts with a trained model and its ``qkv.data``
+tokenizer, framed the way ``qkv train`` trains (``qkv.train.data``):
+
+- ``translate``: an encoder-decoder reads source + eos; its output starts at bos and ends
+  before eos.
+- ``complete``: a GPT trained on pairs reads bos + prompt + eos and answers up to eos
+  (``framed=True``); a GPT trained on plain text continues the prompt (``framed=False``).
+
+Batches of ``batch_size`` texts; decoding options are those of ``qkv.generate``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .api import generate
+
+__all__ = ["complete", "translate"]
+
+DEFAULT_MAX_NEW_TOKENS = 100
+
+
+def _until(ids: list[int], eos: int) -> list[int]:
+    return ids[:ids.index(eos)] if eos in ids else ids
+
+
+def translate(model: nn.Module, tokenizer: Any, sources: list[str], *,
+              max_new_tokens: int | None = None, batch_size: int = 64,
+              **decoding: Any) -> list[str]:
+    """Outputs of an encoder-decoder ``Transformer`` for source strings.
+
+    Args:
+        model, tokenizer: e.g. ``qkv.train.load_run(run)``.
+        sources: texts; each is encoded as source + eos (right padding within a batch).
+        max_new_tokens: longest output; default the decoder's position limit (``max_len`` - 1
+            with absolute positions), at most 100.
+        batch_size: sources decoded together.
+        decoding: ``qkv.generate`` options (``num_beams``, ``length_penalty``, sampling).
+
+    Raises:
+        ValueError: a source longer than the model's ``max_len`` (absolute positions).
+    """
+    c = model.config
+    limit = c.max_len if c.absolute_positions else None
+    budget = max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, (limit or 10**9) - 1)
+    out: list[str] = []
+    for start in range(0, len(sources), batch_size):
+        rows = [[*tokenizer.encode(s), tokenizer.eos_id] for s in sources[start:start + batch_size]]
+        width = max(len(r) for r in rows)
+        if limit is not None and width > limit:
+            raise ValueError(f"an input of {width} tokens (with eos) is longer than the model's "
+                             f"max_len={limit}")
+        src = torch.tensor([r + [tokenizer.pad_id] * (width - len(r)) for r in rows])
+        keep = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+        ids = generate(model, src, attention_mask=keep, max_new_tokens=budget,
+                       eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+                       decoder_start_token_id=tokenizer.bos_id, **decoding)
+        out += [tokenizer.decode(_until(row[1:], tokenizer.eos_id)) for row in ids.tolist()]
+    return out
+
+
+def complete(model: nn.Module, tokenizer: Any, prompts: list[str], *, framed: bool = True,
+             max_new_tokens: int | None = None, batch_size: int = 64,
+             **decoding: Any) -> list[str]:
+    """A GPT's answers (``framed``: prompt read as bos + prompt + eos, answer up to eos) or
+    continuations (plain text: prompt + continuation) for prompt strings.
+
+    Args:
+        model, tokenizer: e.g. ``qkv.train.load_run(run)``.
+        prompts: texts, left-padded within a batch.
+        framed: True for a GPT trained on a pair task, False for one trained on text.
+        max_new_tokens: default: what the context (``max_len``) leaves, at most 100; more
+            than it leaves is a ValueError.
+        batch_size: prompts decoded together.
+        decoding: ``qkv.generate`` options (``num_beams``, ``do_sample``, ``temperature``,
+            ``top_k``, ``top_p``, ``generator``, ...).
+
+    Raises:
+        ValueError: an empty plain-text prompt, or a prompt that leaves no room in
+        ``max_len``.
+    """
+    out: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        texts = prompts[start:start + batch_size]
+        rows = [([tokenizer.bos_id, *tokenizer.encode(p), tokenizer.eos_id] if framed
+                 else tokenizer.encode(p)) for p in texts]
+        if any(not r for r in rows):
+            raise ValueError("a prompt is empty: a GPT trained on text needs at least one "
+                             "token to continue")
+        width = max(len(r) for r in rows)
+        room = model.config.max_len - width + 1
+        if room < 1:
+            raise ValueError(f"a prompt of {width} tokens does not fit the model's max_len="
+                             f"{model.config.max_len}")
+        if max_new_tokens is not None and max_new_tokens > room:
+            raise ValueError(f"max_new_tokens={max_new_tokens}: a prompt of {width} tokens "
+                             f"leaves room for {room} in the model's max_len="
+                             f"{model.config.max_len}")
+        budget = max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, room)
+        ids = torch.tensor([[tokenizer.pad_id] * (width - len(r)) + r for r in rows])
+        keep = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        res = generate(model, ids, attention_mask=keep, max_new_tokens=budget,
+                       eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+                       **decoding)
+        for row, prompt in zip(res.tolist(), rows, strict=True):
+            new = _until(row[width:], tokenizer.eos_id)
+            out.append(tokenizer.decode(new if framed else prompt + new))
+    return out
