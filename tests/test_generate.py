@@ -476,3 +476,27 @@ def test_bad_inputs_raise(gpt, seq2seq):
         qkv.generate(torch.nn.Linear(2, 2), ids, max_new_tokens=2)
     with pytest.raises(ValueError, match="max_len"):
         qkv.generate(seq2seq, _sources(), max_new_tokens=65)
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_several_stop_tokens_end_a_row_at_the_first_one_met(gpt, num_beams):
+    """eos_token_id=[a, b]: a row ends at whichever it produces first, exactly as with the
+    single id it met (the other id never produced)."""
+    ids = torch.tensor([[5, 6, 7]])
+    free = qkv.generate(gpt, ids, max_new_tokens=8, num_beams=num_beams)[0, 3:].tolist()
+    stop = next(t for i, t in enumerate(free) if i >= 1 and t not in free[:i])
+    unused = next(t for t in range(gpt.config.vocab_size) if t not in free)
+    both = qkv.generate(gpt, ids, max_new_tokens=8, num_beams=num_beams,
+                        eos_token_id=[unused, stop], pad_token_id=0)
+    single = qkv.generate(gpt, ids, max_new_tokens=8, num_beams=num_beams, eos_token_id=stop,
+                          pad_token_id=0)
+    assert torch.equal(both, single)
+    cut = free.index(stop) + 1
+    if num_beams == 1:
+        assert both[0, 3:3 + cut].tolist() == free[:cut] and both.shape[1] == 3 + cut
+
+
+@pytest.mark.parametrize("bad", [[], "2", [1.0], True])
+def test_bad_stop_tokens_are_refused(gpt, bad):
+    with pytest.raises(TypeError, match="eos_token_id"):
+        qkv.generate(gpt, torch.tensor([[5, 6]]), max_new_tokens=2, eos_token_id=bad)

@@ -1,10 +1,13 @@
 """qkv: one exact attention core and the Transformers built on it.
 
-Public API: ``qkv.attention``, ``qkv.masks``, ``qkv.MultiHeadAttention``, ``qkv.positions``,
-``qkv.linear_attention``, ``qkv.models``.
+Public API: ``qkv.attention``, ``qkv.explain``, ``qkv.masks``, ``qkv.MultiHeadAttention``,
+``qkv.KVCache``, ``qkv.positions``, ``qkv.linear_attention`` (+ ``linear_attention_step``),
+``qkv.models``, ``qkv.generate``; subpackages ``qkv.data`` (tasks, tokenizers),
+``qkv.train`` (trainer, checkpoints, ``load_run``), ``qkv.generation`` (``translate``,
+``complete``), ``qkv.viz`` (attention maps, PNG grids, HTML).
 """
 
-from . import masks, models, positions
+from . import data, generation, masks, models, positions, train, viz
 from .generation import generate
 from .modules import KVCache, MultiHeadAttention
 from .ops import BACKENDS, BiasProducer, NoBackendError, attention, explain
@@ -13,5 +16,6 @@ from .ops.linear import FavorFeatures, LinearState, linear_attention, linear_att
 __version__ = "0.1.0"
 
 __all__ = ["BACKENDS", "BiasProducer", "FavorFeatures", "KVCache", "LinearState",
-           "MultiHeadAttention", "NoBackendError", "__version__", "attention", "explain",
-           "generate", "linear_attention", "linear_attention_step", "masks", "models", "positions"]
+           "MultiHeadAttention", "NoBackendError", "__version__", "attention", "data", "explain",
+           "generate", "generation", "linear_attention", "linear_attention_step", "masks",
+           "models", "positions", "train", "viz"]

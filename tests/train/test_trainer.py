@@ -73,8 +73,10 @@ def test_resume_extends_a_finished_run_to_more_steps(tmp_path):
     Trainer(config(eval_every=4, steps=4), tmp_path / "two", **quiet()).run()
     Trainer.resume(tmp_path / "two", steps=8, **quiet()).run()
     assert losses(tmp_path / "two") == losses(tmp_path / "whole")
-    assert json.loads((tmp_path / "two/run.json").read_text())["steps"] == 4  # as started
+    assert json.loads((tmp_path / "two/run.json").read_text())["steps"] == 8  # the new total
     assert json.loads((tmp_path / "two/checkpoint/run.json").read_text())["steps"] == 8
+    with pytest.raises(ValueError, match="already at step 8; give --steps greater than 8"):
+        Trainer.resume(tmp_path / "two", **quiet())
 
 
 def test_a_save_that_fails_midway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -191,3 +193,44 @@ def test_refuses_to_overwrite_a_run_and_resume_needs_one(tmp_path):
 def test_bad_settings_are_named(kw, match):
     with pytest.raises(ValueError, match=match):
         config(**kw)
+
+
+def test_bert_mlm_on_a_text_file(tmp_path):
+    """Text windows are W + 1 tokens (the GPT shift); BERT reads W = its max_len."""
+    text = tmp_path / "corpus.txt"
+    text.write_text("the cat sat on the mat because it was tired. " * 50)
+    cfg = config(model="bert-mlm", preset="bert-tiny", task=None, data=str(text), max_len=16,
+                 overrides=dict(dim=32, num_heads=2), steps=2, eval_every=2, batch_size=4)
+    result = Trainer(cfg, tmp_path / "mlm", **quiet()).run()
+    assert 0 <= result["masked_accuracy"] <= 1
+
+
+def test_a_corrupt_trainer_state_is_a_checkpoint_error(tmp_path):
+    run = tmp_path / "run"
+    Trainer(config(steps=3), run, **quiet()).run()
+    state = run / "checkpoint" / "trainer_state.safetensors"
+    state.write_bytes(state.read_bytes()[:50])
+    with pytest.raises(CheckpointError, match="cannot read the trainer state"):
+        Trainer.resume(run, steps=6, **quiet())
+
+
+def test_a_run_killed_before_its_first_checkpoint_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(Trainer, "train_step", lambda self: (_ for _ in ()).throw(
+        KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(config(), tmp_path / "run", **quiet()).run()
+    with pytest.raises(CheckpointError, match="no checkpoint yet"):
+        Trainer.resume(tmp_path / "run", **quiet())
+
+
+def test_a_data_file_run_resumes_from_another_directory(tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "pairs.tsv").write_text("".join(f"{w}\t{w[::-1]}\n" for w in
+                                                      ["abc", "hello", "qkv", "cat"] * 3))
+    monkeypatch.chdir(tmp_path / "a")
+    Trainer(config(task=None, data="pairs.tsv", steps=2, eval_every=2), tmp_path / "run",
+            **quiet()).run()
+    monkeypatch.chdir(tmp_path)
+    Trainer.resume(tmp_path / "run", steps=3, **quiet()).run()
+    assert json.loads((tmp_path / "run/run.json").read_text())["data"] == str(
+        tmp_path / "a" / "pairs.tsv")

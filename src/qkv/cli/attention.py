@@ -167,6 +167,9 @@ def _run(args: argparse.Namespace) -> int:
     layer = _index("layer", args.layer, n_layers)
     head = _index("head", args.head, n_heads)
     info = _run_info(run)
+    from .generate import warn_unknown
+
+    warn_unknown(tok, [args.input, args.target or ""])
     src, tgt, generated = _frame(model, tok, info, args.input, args.target,
                                  args.max_new_tokens)
     maps = attention_maps(model, src, target_ids=tgt)

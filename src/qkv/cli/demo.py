@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("which", nargs="?", default="dates", choices=("dates", "coref", "tour"),
                    help="which demo (default: dates)")
     p.add_argument("--quick", action="store_true",
-                   help="a few-second run for smoke tests (accuracy will be low)")
+                   help="a short run for smoke tests (accuracy will be low)")
     p.add_argument("--out", default=None,
                    help="run directory (default: runs/demo-<which>-<timestamp>)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")

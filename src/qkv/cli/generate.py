@@ -15,6 +15,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+GENERATE_DESCRIPTION = """\
+Continue prompts with a GPT run of `qkv train`. A GPT trained on a pair task answers
+each prompt the way it was trained (bos + prompt + eos, continued up to its eos) and
+prints the answer; a GPT trained on plain text prints prompt + continuation.
+Greedy by default, beam search with --beams K, sampling with --sample."""
+
+TRANSLATE_DESCRIPTION = """\
+Decode inputs with an encoder-decoder Transformer run of `qkv train`: each input is
+read as source + eos and its output printed up to eos.
+Greedy by default, beam search with --beams K."""
+
 GENERATE_EXAMPLES = """examples:
   qkv generate runs/shakespeare --prompt "To be, or not" --max-new-tokens 200
   qkv generate runs/shakespeare --prompt "ROMEO:" --sample --temperature 0.8 --top-k 40 --seed 1
@@ -37,7 +48,7 @@ Prints one output per input, in order.
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``qkv generate`` and ``qkv translate`` to the command parsers."""
     g = sub.add_parser("generate", help="continue prompts with a trained GPT run",
-                       description=__doc__, epilog=GENERATE_EXAMPLES,
+                       description=GENERATE_DESCRIPTION, epilog=GENERATE_EXAMPLES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     g.add_argument("run", help="run directory written by `qkv train --model gpt`")
     g.add_argument("--prompt", action="append", required=True,
@@ -57,7 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.set_defaults(func=_run_generate)
 
     t = sub.add_parser("translate", help="decode inputs with a trained encoder-decoder run",
-                       description=__doc__, epilog=TRANSLATE_EXAMPLES,
+                       description=TRANSLATE_DESCRIPTION, epilog=TRANSLATE_EXAMPLES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("run", help="run directory written by `qkv train` (model transformer)")
     src = t.add_mutually_exclusive_group(required=True)
@@ -76,6 +87,37 @@ def _decoding_options(p: argparse.ArgumentParser) -> None:
                    help="beam search with K beams (default 1: greedy)")
     p.add_argument("--length-penalty", type=float, default=1.0,
                    help="beam search: rank hypotheses by log-prob / length**P (default 1.0)")
+    p.add_argument("--stop", action="append", default=[], metavar="TOKEN",
+                   help="also end an output at this token (one token of the run's tokenizer, "
+                        "e.g. '.'; kept in the output), repeatable; eos always ends it")
+
+
+def _stop_tokens(tok: Any, stops: list[str]) -> list[int]:
+    """Token ids of the --stop texts (each must be exactly one token)."""
+    from . import UserError
+
+    ids = []
+    for text in stops:
+        enc = tok.encode(text)
+        if len(enc) != 1 or enc[0] == tok.unk_id:
+            raise UserError(f"--stop {text!r} is {len(enc)} tokens of this run's tokenizer "
+                            f"(or unknown to it); a stop token must be exactly one known token")
+        ids.append(enc[0])
+    return ids
+
+
+def warn_unknown(tok: Any, texts: list[str]) -> None:
+    """One line on stderr when inputs hold characters a character tokenizer maps to <unk>
+    (the model would see <unk> in their place)."""
+    from ..data import CharTokenizer
+
+    if not isinstance(tok, CharTokenizer):
+        return
+    unknown = sorted({c for text in texts for c in text if tok.encode(c) == [tok.unk_id]})
+    if unknown:
+        shown = "".join(unknown[:20]) + ("..." if len(unknown) > 20 else "")
+        print(f"qkv: warning: {len(unknown)} character(s) unknown to the run's tokenizer "
+              f"(read as <unk>): {shown!r}", file=sys.stderr)
 
 
 def _load(run: str, want: str) -> tuple[Any, Any, dict]:
@@ -125,12 +167,14 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.sample and args.beams > 1:
         raise UserError("--sample and --beams > 1 cannot be combined")
     model, tok, info = _load(args.run, "gpt")
+    warn_unknown(tok, args.prompt)
     generator = None if args.seed is None else torch.Generator().manual_seed(args.seed)
     outputs = complete(model, tok, args.prompt, framed=info.get("task") is not None,
                        max_new_tokens=args.max_new_tokens, num_beams=args.beams,
                        length_penalty=args.length_penalty, do_sample=args.sample,
                        temperature=1.0 if args.temperature is None else args.temperature,
-                       top_k=args.top_k, top_p=args.top_p, generator=generator)
+                       top_k=args.top_k, top_p=args.top_p, generator=generator,
+                       stop_tokens=_stop_tokens(tok, args.stop))
     print("\n".join(outputs))
     sys.stdout.flush()
     return 0
@@ -161,8 +205,10 @@ def _run_translate(args: argparse.Namespace) -> int:
     _check_decoding(args)
     sources = _inputs(args)
     model, tok, _ = _load(args.run, "transformer")
+    warn_unknown(tok, sources)
     outputs = translate(model, tok, sources, max_new_tokens=args.max_new_tokens,
-                        num_beams=args.beams, length_penalty=args.length_penalty)
+                        num_beams=args.beams, length_penalty=args.length_penalty,
+                        stop_tokens=_stop_tokens(tok, args.stop))
     print("\n".join(outputs))
     sys.stdout.flush()
     return 0

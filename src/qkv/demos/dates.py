@@ -63,10 +63,14 @@ def run_dates_demo(*, out: str | None = None, quick: bool = False, seed: int = 0
     """
     from ..data import get_task
     from ..generation import translate
+    from ..models.hub import atomic_write
     from ..train import TrainConfig, Trainer, exact_match
 
     t0 = time.perf_counter()
     run_dir = Path(out or f"runs/demo-dates-{time.strftime('%Y%m%d-%H%M%S')}")
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise ValueError(f"--out {run_dir} is not empty; the demo writes a new run directory "
+                         f"(choose another --out)")
     training = QUICK_TRAINING if quick else DEMO_TRAINING
     config = TrainConfig(model="transformer", task="dates", overrides=DEMO_MODEL, seed=seed,
                          **training)
@@ -101,8 +105,8 @@ def run_dates_demo(*, out: str | None = None, quick: bool = False, seed: int = 0
     summary = {"exact_match": accuracy, "test_examples": count, "steps": config.steps,
                "train_seconds": round(train_s, 1), "wall_seconds": round(wall, 1),
                "threads": torch.get_num_threads()}
-    text = json.dumps(summary, indent=2)
-    (run_dir / "demo.json").write_text(text + "\n")
+    text = json.dumps(summary, indent=2) + "\n"
+    atomic_write(run_dir / "demo.json", lambda tmp: Path(tmp).write_text(text))
     print(f"\nexact match: {100 * accuracy:.1f}% on {count} held-out dates "
           f"({wall:.0f} s in all, {train_s:.0f} s of training)")
     print(f"run directory: {run_dir}\n  checkpoint: {run_dir / 'checkpoint'}  (qkv translate "

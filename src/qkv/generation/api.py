@@ -7,6 +7,7 @@ Shapes: B batch, N prompt length, S source length, K beams, T new tokens, V voca
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -44,6 +45,18 @@ def _token(name: str, value: Any, vocab: int) -> None:
                               or not 0 <= value < vocab):
         raise ValueError(f"generate: {name} must be a token id in [0, {vocab}) or None, "
                          f"got {value!r}")
+
+
+def _stop_ids(value: Any) -> tuple[int, ...] | None:
+    """``eos_token_id`` as a tuple of ids (one id, or several stop tokens), or None."""
+    if value is None:
+        return None
+    ids = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    if (not isinstance(ids, (tuple, list)) or not ids
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+        raise TypeError(f"generate: eos_token_id must be a token id, a non-empty list of ids "
+                        f"or None, got {value!r}")
+    return tuple(ids)
 
 
 def _check_args(num_beams, length_penalty, do_sample, temperature, top_k, top_p, generator,
@@ -120,7 +133,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
              attention_mask: Tensor | None = None, num_beams: int = 1,
              length_penalty: float = 1.0, do_sample: bool = False, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None,
-             eos_token_id: int | None = None, pad_token_id: int | None = None,
+             eos_token_id: int | Sequence[int] | None = None,
+             pad_token_id: int | None = None,
              decoder_start_token_id: int | None = None,
              generator: torch.Generator | None = None, use_cache: bool = True) -> Tensor:
     """Generate tokens with a decoder-only model (``qkv.models.GPT``, or anything with its
@@ -143,10 +157,11 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
         temperature, top_k, top_p: sampling filters, applied in this order (HF's): logits /
             temperature, keep the ``top_k`` most likely tokens, keep the smallest set whose
             probability reaches ``top_p``. Only with ``do_sample=True``.
-        eos_token_id: a row that produces it is finished (its later tokens are
-            ``pad_token_id``). GPT default: None (always T tokens); Transformer default:
-            ``config.eos_id``.
-        pad_token_id: fills rows after their eos. GPT default: ``eos_token_id``; Transformer
+        eos_token_id: a stop token, or a list of them: a row that produces one is finished
+            (its later tokens are ``pad_token_id``). GPT default: None (always T tokens);
+            Transformer default: ``config.eos_id``.
+        pad_token_id: fills rows after their eos. GPT default: (the first) ``eos_token_id``;
+            Transformer
             default ``config.pad_id``.
         decoder_start_token_id: Transformer only, the first decoder token (default
             ``config.bos_id``).
@@ -173,6 +188,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
     _check_args(num_beams, length_penalty, do_sample, temperature, top_k, top_p, generator,
                 use_cache, max_new_tokens)
     ids = _check_ids(input_ids)
+    eos_token_id = _stop_ids(eos_token_id)
     if isinstance(model, Transformer):
         out = _generate_seq2seq(model, ids, attention_mask, max_new_tokens, num_beams,
                                 length_penalty, do_sample, temperature, top_k, top_p,
@@ -195,6 +211,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
 def _search(stepper, rows: int, num_beams: int, max_new_tokens: int, length_penalty: float,
             do_sample: bool, temperature: float, top_k, top_p, eos, pad: int, generator,
             device: torch.device) -> Tensor:
+    eos = None if eos is None else torch.tensor(eos, dtype=torch.long, device=device)
     if num_beams > 1:
         return beam_search(stepper, rows, num_beams, max_new_tokens,
                            length_penalty=length_penalty, eos=eos, pad=pad, device=device)
@@ -209,9 +226,9 @@ def _generate_decoder(model, ids, attention_mask, max_new_tokens, num_beams, len
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
     if isinstance(vocab, int):
-        for name, val in (("eos_token_id", eos), ("pad_token_id", pad)):
+        for name, val in (*(("eos_token_id", e) for e in eos or ()), ("pad_token_id", pad)):
             _token(name, val, vocab)
-    pad = (eos if eos is not None else 0) if pad is None else pad
+    pad = (eos[0] if eos is not None else 0) if pad is None else pad
     with torch.inference_mode():
         keep = _gpt_keep(attention_mask, ids)
         batch, n = ids.shape
@@ -239,10 +256,10 @@ def _generate_seq2seq(model, src, attention_mask, max_new_tokens, num_beams, len
                       do_sample, temperature, top_k, top_p, eos, pad, start, generator,
                       use_cache) -> Tensor:
     c = model.config
-    eos = c.eos_id if eos is None else eos
+    eos = (c.eos_id,) if eos is None else eos
     pad = c.pad_id if pad is None else pad
     start = c.bos_id if start is None else start
-    for name, val in (("eos_token_id", eos), ("pad_token_id", pad),
+    for name, val in (*(("eos_token_id", e) for e in eos), ("pad_token_id", pad),
                       ("decoder_start_token_id", start)):
         _token(name, val, c.tgt_vocab_size)
     if c.absolute_positions and max_new_tokens > c.max_len:

@@ -50,7 +50,7 @@ def filter_logits(logits: Tensor, *, temperature: float, top_k: int | None,
 
 def greedy_or_sample(stepper: Stepper, rows: int, max_new_tokens: int, *, do_sample: bool,
                      temperature: float, top_k: int | None, top_p: float | None,
-                     eos: int | None, pad: int, generator: torch.Generator | None,
+                     eos: Tensor | None, pad: int, generator: torch.Generator | None,
                      device: torch.device) -> Tensor:
     """Greedy (argmax) or sampled decoding; returns the new tokens (R, T), T <=
     ``max_new_tokens`` (fewer when every row reached ``eos``)."""
@@ -66,7 +66,7 @@ def greedy_or_sample(stepper: Stepper, rows: int, max_new_tokens: int, *, do_sam
             tokens = logits.argmax(dim=-1)  # (R,)
         if finished is not None:
             tokens = tokens.masked_fill(finished, pad)
-            finished |= tokens == eos
+            finished |= torch.isin(tokens, eos)
         out[:, t] = tokens
         if finished is not None and bool(finished.all()):
             return out[:, :t + 1]
@@ -82,7 +82,7 @@ def _gather(t: Tensor, idx: Tensor) -> Tensor:
 
 
 def beam_search(stepper: Stepper, batch: int, beams: int, max_new_tokens: int, *,
-                length_penalty: float, eos: int | None, pad: int,
+                length_penalty: float, eos: Tensor | None, pad: int,
                 device: torch.device) -> Tensor:
     """Beam search with HuggingFace's rules (``transformers`` 4.5x+/5.x ``_beam_search`` with
     its default ``early_stopping=False``): each step keeps the top 2K continuations of the
@@ -120,7 +120,7 @@ def beam_search(stepper: Stepper, batch: int, beams: int, max_new_tokens: int, *
         if t + 1 == max_new_tokens:
             hits = torch.ones_like(tokens, dtype=torch.bool)
         elif eos is not None:
-            hits = tokens == eos
+            hits = torch.isin(tokens, eos)
         else:
             hits = torch.zeros_like(tokens, dtype=torch.bool)
         # the best K continuations that did not end

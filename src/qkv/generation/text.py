@@ -11,6 +11,7 @@ Batches of ``batch_size`` texts; decoding options are those of ``qkv.generate``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ def _until(ids: list[int], eos: int) -> list[int]:
 
 def translate(model: nn.Module, tokenizer: Any, sources: list[str], *,
               max_new_tokens: int | None = None, batch_size: int = 64,
-              **decoding: Any) -> list[str]:
+              stop_tokens: Sequence[int] = (), **decoding: Any) -> list[str]:
     """Outputs of an encoder-decoder ``Transformer`` for source strings.
 
     Args:
@@ -38,6 +39,7 @@ def translate(model: nn.Module, tokenizer: Any, sources: list[str], *,
         max_new_tokens: longest output; default the decoder's position limit (``max_len`` - 1
             with absolute positions), at most 100.
         batch_size: sources decoded together.
+        stop_tokens: ids that end an output besides eos (kept in the output).
         decoding: ``qkv.generate`` options (``num_beams``, ``length_penalty``, sampling).
 
     Raises:
@@ -56,7 +58,8 @@ def translate(model: nn.Module, tokenizer: Any, sources: list[str], *,
         src = torch.tensor([r + [tokenizer.pad_id] * (width - len(r)) for r in rows])
         keep = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
         ids = generate(model, src, attention_mask=keep, max_new_tokens=budget,
-                       eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+                       eos_token_id=[tokenizer.eos_id, *stop_tokens],
+                       pad_token_id=tokenizer.pad_id,
                        decoder_start_token_id=tokenizer.bos_id, **decoding)
         out += [tokenizer.decode(_until(row[1:], tokenizer.eos_id)) for row in ids.tolist()]
     return out
@@ -64,7 +67,7 @@ def translate(model: nn.Module, tokenizer: Any, sources: list[str], *,
 
 def complete(model: nn.Module, tokenizer: Any, prompts: list[str], *, framed: bool = True,
              max_new_tokens: int | None = None, batch_size: int = 64,
-             **decoding: Any) -> list[str]:
+             stop_tokens: Sequence[int] = (), **decoding: Any) -> list[str]:
     """A GPT's answers (``framed``: prompt read as bos + prompt + eos, answer up to eos) or
     continuations (plain text: prompt + continuation) for prompt strings.
 
@@ -75,6 +78,7 @@ def complete(model: nn.Module, tokenizer: Any, prompts: list[str], *, framed: bo
         max_new_tokens: default: what the context (``max_len``) leaves, at most 100; more
             than it leaves is a ValueError.
         batch_size: prompts decoded together.
+        stop_tokens: ids that end an output besides eos (kept in the output).
         decoding: ``qkv.generate`` options (``num_beams``, ``do_sample``, ``temperature``,
             ``top_k``, ``top_p``, ``generator``, ...).
 
@@ -103,7 +107,8 @@ def complete(model: nn.Module, tokenizer: Any, prompts: list[str], *, framed: bo
         ids = torch.tensor([[tokenizer.pad_id] * (width - len(r)) + r for r in rows])
         keep = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
         res = generate(model, ids, attention_mask=keep, max_new_tokens=budget,
-                       eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+                       eos_token_id=[tokenizer.eos_id, *stop_tokens],
+                       pad_token_id=tokenizer.pad_id,
                        **decoding)
         for row, prompt in zip(res.tolist(), rows, strict=True):
             new = _until(row[width:], tokenizer.eos_id)

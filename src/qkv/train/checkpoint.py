@@ -147,21 +147,22 @@ def load_trainer_state(checkpoint: str | os.PathLike,
     try:
         meta = read_json(checkpoint / STATE_JSON)
         tensors = load_file(str(checkpoint / STATE_TENSORS))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{checkpoint}: cannot read the trainer state: {exc}") from exc
-    opt = meta["optimizer"]
-    state: dict[int, dict[str, Any]] = {}
-    for idx, keys in opt["state_keys"].items():
-        entry = dict(opt["scalars"].get(idx, {}))
-        for name in keys:
-            key = f"optimizer.{idx}.{name}"
-            if key in tensors:
-                entry[name] = tensors[key]
-        state[int(idx)] = entry
+        opt, rng, step = meta["optimizer"], tensors["rng.torch"], int(meta["step"])
+        state: dict[int, dict[str, Any]] = {}
+        for idx, keys in opt["state_keys"].items():
+            entry = dict(opt["scalars"].get(idx, {}))
+            for name in keys:
+                key = f"optimizer.{idx}.{name}"
+                if key in tensors:
+                    entry[name] = tensors[key]
+            state[int(idx)] = entry
+    except Exception as exc:  # OSError, JSON/safetensors errors, missing entries
+        raise CheckpointError(f"{checkpoint}: cannot read the trainer state "
+                              f"({type(exc).__name__}: {exc})") from exc
     try:
         optimizer.load_state_dict({"state": state, "param_groups": opt["param_groups"]})
     except (ValueError, KeyError) as exc:
         raise CheckpointError(f"{checkpoint}: the optimizer state does not fit this model: "
                               f"{exc}") from exc
-    torch.set_rng_state(tensors["rng.torch"])
-    return {"step": int(meta["step"]), "data_position": int(meta["data_position"])}
+    torch.set_rng_state(rng)
+    return {"step": step, "data_position": int(meta.get("data_position", 0))}

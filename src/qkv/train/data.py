@@ -150,10 +150,10 @@ def make_batch(kind: str, items: Any, tokenizer: Any, *, step: int = 0,
         attention_mask, labels. Targets/labels use -100 for positions without a loss.
     """
     pad, bos, eos = tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id
-    if isinstance(items, Tensor):  # text windows
+    if isinstance(items, Tensor):  # text windows of W + 1 tokens
         if kind == "gpt":
             return {"ids": items[:, :-1].contiguous(), "targets": items[:, 1:].contiguous()}
-        rows = [r.tolist() for r in items]
+        rows = [r.tolist() for r in items[:, :-1]]  # bert-mlm: W tokens (its max_len)
     elif kind == "transformer":
         src = [[*tokenizer.encode(s), eos] for s, _ in items]
         tgt = [tokenizer.encode(t) for _, t in items]

@@ -114,14 +114,26 @@ class Trainer:
         self.step = 0
         self.last_saved: int | None = None
         if _resume:
-            ckpt = find_checkpoint(self.out)
+            try:
+                ckpt = find_checkpoint(self.out)
+            except CheckpointError:
+                if not (self.out / "run.json").exists():
+                    raise
+                raise CheckpointError(
+                    f"{self.out} has no checkpoint yet: the run stopped before its first save "
+                    f"(one every eval_every={config.eval_every} steps); start it again with "
+                    f"another --out, or delete {self.out}") from None
             self.model, self.tokenizer = load_run(ckpt)
             self.max_len = int(self.model.config.max_len)
             self.data = load_data(config, self.tokenizer, self.max_len)
         else:
             if self.world.is_main and (self.out / "run.json").exists():
-                raise ValueError(f"{self.out} already holds a run; continue it with --resume "
-                                 f"{self.out} or choose another --out")
+                raise ValueError(f"{self.out} already holds a run; continue it with qkv train "
+                                 f"--resume {self.out}, or choose another directory")
+            if config.data is not None:  # resumable from any working directory
+                config = TrainConfig.from_dict({**config.to_dict(),
+                                                "data": str(Path(config.data).resolve())})
+                self.config = config
             torch.manual_seed(config.seed)
             self.data, self.tokenizer, self.max_len = prepare_data(config)
             self.model = build_model(config, self.tokenizer.vocab_size, self.max_len,
@@ -134,13 +146,17 @@ class Trainer:
         if _resume:
             state = load_trainer_state(ckpt, self.optimizer)
             self.step = self.last_saved = state["step"]
+            if self.step >= config.steps:
+                raise ValueError(f"{self.out} is already at step {self.step}; give --steps "
+                                 f"greater than {self.step} to continue it")
             if self.world.is_main:
                 _truncate_metrics(self.out / METRICS, self.step)
-        elif self.world.is_main:
+        if self.world.is_main:  # run.json: the settings --resume continues (new total steps)
             self.out.mkdir(parents=True, exist_ok=True)
             text = json.dumps(config.to_dict(), indent=2, sort_keys=True)
             atomic_write(self.out / "run.json", lambda tmp: Path(tmp).write_text(text))
-            (self.out / METRICS).write_text("")
+            if not _resume:
+                (self.out / METRICS).write_text("")
 
     @classmethod
     def resume(cls, out_dir: str | Path, *, steps: int | None = None, progress: bool = True,
@@ -153,7 +169,11 @@ class Trainer:
         except (OSError, ValueError, CheckpointError) as exc:
             raise CheckpointError(f"{out_dir}: cannot resume: {exc}") from exc
         config = TrainConfig.from_dict(data)
-        if steps is not None:
+        if steps is not None and steps != config.steps:
+            if config.schedule == "cosine":
+                log(f"note: the cosine schedule is re-stretched from {config.steps} to {steps} "
+                    f"total steps; later learning rates differ from those of a run started "
+                    f"with --steps {steps}")
             config = TrainConfig.from_dict({**config.to_dict(), "steps": steps})
         return cls(config, out_dir, progress=progress, log=log, _resume=True)
 
