@@ -164,3 +164,19 @@ def test_gathered_block_tiles_with_bias_and_padding():
     ref = torch.autograd.grad(want.sum(), (q, k, v, bias))
     for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("n,s", [(203, 203), (45, 203), (203, 45), (2, 1), (61, 29)])
+def test_bigbird_live_tiles_are_the_live_blocks(n, s, causal):
+    """live_key_tiles (what the chunked backend gathers) lists exactly the key blocks in
+    which some query of the block may attend some key, misaligned and causal included."""
+    bs = 16
+    mask = BigBird(bs, window_blocks=3, global_blocks=1, random_blocks=2, seed=2,
+                   causal=causal)
+    dense = mask.dense(n, s)[0, 0]
+    for i0 in range(0, n, bs):
+        i1 = min(n, i0 + bs)
+        want = [(j0, min(s, j0 + bs)) for j0 in range(0, s, bs)
+                if bool(dense[i0:i1, j0:j0 + bs].any())]
+        assert mask.live_key_tiles(i0, i1, n, s) == want, (i0, i1)

@@ -11,9 +11,12 @@ Conventions read from the docstrings (src/qkv/ops/sparse_masks.py): query i sits
   causal also ``j <= p``.
 - BigBird(bs, window_blocks=w, global_blocks=G, random_blocks=R): query block a sits at key
   block ``a' = (a·bs + S - N) // bs`` (the block holding its first query's position); it sees
-  key blocks ``|b - a'| <= (w - 1) // 2`` (w odd: exactly w neighbours), the first G key
-  blocks, and everything when ``0 <= a' < G``; causal = that pattern and ``j <= p``. Random
-  blocks cannot be recomputed: their structure is checked instead.
+  key blocks ``|b - a'| <= (w - 1) // 2`` (w must be odd: exactly w blocks), the first G key
+  blocks, and everything when ``0 <= a' < G``; causal = that pattern and ``j <= p``
+  elementwise, and the layout keeps only key blocks starting at or before the block's last
+  query position. Random blocks cannot be recomputed: their structure is checked instead
+  (at most R extra blocks per query block, exactly min(R, free) of the blocks that are
+  neither local, global nor, when causal, wholly in the future).
 - BlockSparse(layout, bs): (i, j) iff ``layout[..., i // bs, j // bs]``.
 
 Shapes: N, S in {1, 2, 17, 113, 203} (all pairs), windows 1, 2, 7, 64, block sizes 1, 16,
@@ -21,7 +24,9 @@ Shapes: N, S in {1, 2, 17, 113, 203} (all pairs), windows 1, 2, 7, 64, block siz
 rtol 5e-6, on the auto and chunked backends, with and without ``Padding``, and at
 N, S ~ 1100, window 64, where the chunked backend (auto's choice at B·H·N·S > 2**22) takes
 its fused window path.
-Disagreements with the docstrings are strict xfails, each naming the case.
+The four BigBird cases that once disagreed with the docstring (misaligned causal blocks,
+global rows before the first key, even windows, random blocks repeating local ones) each
+keep a test of their own.
 """
 
 from __future__ import annotations
@@ -72,20 +77,34 @@ def longformer_oracle(n: int, s: int, window: int, global_tokens, causal: bool
     return rows
 
 
-def bigbird_block_oracle(n: int, s: int, bs: int, window_blocks: int, global_blocks: int
-                         ) -> list[list[bool]]:
-    """BigBird without random blocks, at block level: (ceil(N/bs), ceil(S/bs)) bools."""
+def bigbird_block_oracle(n: int, s: int, bs: int, window_blocks: int, global_blocks: int,
+                         causal: bool = False) -> list[list[bool]]:
+    """BigBird without random blocks, at block level: (ceil(N/bs), ceil(S/bs)) bools; with
+    causal, only key blocks starting at or before the block's last query position."""
     nb, sb = -(-n // bs), -(-s // bs)
     half = (window_blocks - 1) // 2
     rows = []
     for a in range(nb):
         a_pos = (a * bs + s - n) // bs  # key block holding the block's first query position
+        last = min(n, (a + 1) * bs) - 1 + s - n  # the block's last query position
         row = []
         for b in range(sb):
-            row.append(abs(b - a_pos) <= half or b < global_blocks
-                       or 0 <= a_pos < global_blocks)
+            row.append((abs(b - a_pos) <= half or b < global_blocks
+                        or 0 <= a_pos < global_blocks) and (not causal or b * bs <= last))
         rows.append(row)
     return rows
+
+
+def bigbird_free_blocks(n: int, s: int, bs: int, window_blocks: int, global_blocks: int,
+                        causal: bool) -> list[list[int]]:
+    """Per query block: the key blocks a random draw may pick (neither local nor global;
+    causal: starting at or before the block's last query position)."""
+    base = bigbird_block_oracle(n, s, bs, window_blocks, global_blocks)
+    free = []
+    for a, row in enumerate(base):
+        last = min(n, (a + 1) * bs) - 1 + s - n
+        free.append([b for b, x in enumerate(row) if not x and (not causal or b * bs <= last)])
+    return free
 
 
 def expand_blocks(layout, n: int, s: int, bs: int, causal: bool) -> list[list[bool]]:
@@ -126,11 +145,6 @@ def assert_same(mask, n, s, want):
     assert diff is None, f"{mask!r} N={n} S={s}: (i, j, dense, oracle) = {diff}"
 
 
-def bigbird_known_issue(n: int, s: int, bs: int, causal: bool) -> bool:
-    """Configs hit by the disagreements the xfail tests below pin down."""
-    return (causal and (s - n) % bs != 0) or (not causal and n > s)
-
-
 # ---------------------------------------------------------------- masks vs oracle
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
@@ -154,52 +168,60 @@ def test_longformer_dense_equals_oracle(window, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 @pytest.mark.parametrize("bs", BLOCKS)
 def test_bigbird_without_random_blocks_equals_oracle(bs, causal):
-    checked = 0
     for window_blocks in (1, 3, 5):
         for global_blocks in (0, 2):
             mask = BigBird(bs, window_blocks=window_blocks, global_blocks=global_blocks,
                            random_blocks=0, causal=causal)
             for n, s in PAIRS:
-                if bigbird_known_issue(n, s, bs, causal):
-                    continue
-                checked += 1
                 assert_same(mask, n, s, bigbird_oracle(n, s, bs, window_blocks,
                                                        global_blocks, causal))
-    assert checked >= 6 * len(SIZES)  # at least every N == S pair, for each config
+                lay = mask.layout(n, s).tolist()
+                want = bigbird_block_oracle(n, s, bs, window_blocks, global_blocks, causal)
+                assert lay == want, f"{mask!r} N={n} S={s}: layout"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BigBird(causal=True) applies causality at block level (layout &= b <= a') before the "
-    "element-level j <= p: when (S - N) % block_size != 0 a query block straddles two key "
-    "blocks, and its later queries lose keys up to and including their own position "
-    "(N=2, S=1, bs=64: query 1 at position 0 sees no key; N=17, S=203: queries 6.. lose "
-    "keys 192.. incl. the diagonal)"))
-@pytest.mark.parametrize("n,s", [(2, 1), (17, 203), (113, 203)])
+@pytest.mark.parametrize("n,s", [(2, 1), (17, 203), (113, 203), (203, 17), (45, 203)])
 def test_bigbird_causal_keeps_the_diagonal_when_misaligned(n, s):
+    """(S - N) % block_size != 0: a query block straddles two key blocks; causality is
+    elementwise, so each query keeps every allowed key up to its own position (N=2, S=1:
+    query 1 sees key 0), and with window_blocks >= 3 its own key."""
     mask = BigBird(64, window_blocks=3, global_blocks=0, random_blocks=0, causal=True)
     assert_same(mask, n, s, bigbird_oracle(n, s, 64, 3, 0, True))
+    dense = dense_lists(mask, n, s)[0][0]
+    for i in range(max(0, n - s), n):
+        assert dense[i][i + s - n], (n, s, i)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BigBird: query blocks whose position lies before the first key (N > S, a' < 0) are "
-    "made global (layout[a' < global_blocks] = True), even with global_blocks=0: "
-    "N=203, S=17, bs=64: query 0 attends all 17 keys, the window allows none; "
-    "N=203, S=113, bs=16, 1 global block: queries 0..95 attend all keys, not key block 0"))
 @pytest.mark.parametrize("n,s,bs,global_blocks", [(203, 17, 64, 0), (203, 113, 16, 1)])
 def test_bigbird_no_global_rows_before_the_keys(n, s, bs, global_blocks):
+    """N > S: query blocks before the first key (a' < 0) are not global (N=203, S=17,
+    bs=64, no global blocks: query 0 attends nothing)."""
     mask = BigBird(bs, window_blocks=3, global_blocks=global_blocks, random_blocks=0)
     assert_same(mask, n, s, bigbird_oracle(n, s, bs, 3, global_blocks, False))
+    if global_blocks == 0:
+        assert not any(dense_lists(mask, n, s)[0][0][0])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BigBird docstring: 'each query block attends its window_blocks neighbouring blocks'; "
-    "with an even window_blocks the band is |b - a| <= window_blocks // 2, i.e. "
-    "window_blocks + 1 blocks (window_blocks=2 -> 3, 4 -> 5)"))
-@pytest.mark.parametrize("window_blocks", [2, 4])
-def test_bigbird_even_window_has_window_blocks_neighbours(window_blocks):
+@pytest.mark.parametrize("window_blocks", [1, 3, 5, 7])
+def test_bigbird_window_has_window_blocks_blocks(window_blocks):
     mask = BigBird(16, window_blocks=window_blocks, global_blocks=0, random_blocks=0)
-    counts = [sum(row) for row in mask.layout(160, 160).tolist()]
-    assert counts[3:7] == [window_blocks] * 4, counts
+    counts = [sum(row) for row in mask.layout(320, 320).tolist()]
+    assert counts[4:16] == [window_blocks] * 12, counts
+
+
+@pytest.mark.parametrize("window_blocks", [2, 4, 0, -1, True, 3.0])
+def test_bigbird_rejects_even_or_bad_windows(window_blocks):
+    with pytest.raises(ValueError, match=r"BigBird: window_blocks must be .*"
+                                         + repr(window_blocks).replace(".", r"\.")):
+        BigBird(16, window_blocks=window_blocks)
+
+
+@pytest.mark.parametrize("kwargs", [{"global_blocks": -1}, {"random_blocks": -2},
+                                    {"block_size": 0}, {"seed": 1.5}])
+def test_bigbird_rejects_bad_arguments(kwargs):
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=f"BigBird: {name} must be"):
+        BigBird(**kwargs)
 
 
 BIGBIRD_RANDOM = [(16, 203, 203), (16, 113, 203), (1, 113, 203), (64, 203, 203)]
@@ -207,7 +229,8 @@ BIGBIRD_RANDOM = [(16, 203, 203), (16, 113, 203), (1, 113, 203), (64, 203, 203)]
 
 def _extras(mask, n, s, bs):
     """Per query block: the key blocks the layout adds beyond the local + global oracle."""
-    want = bigbird_block_oracle(n, s, bs, mask.window_blocks, mask.global_blocks)
+    want = bigbird_block_oracle(n, s, bs, mask.window_blocks, mask.global_blocks,
+                                mask.causal)
     layout = mask.layout(n, s).tolist()
     for a, (row, orow) in enumerate(zip(layout, want, strict=True)):
         missing = [b for b, (x, y) in enumerate(zip(row, orow, strict=True)) if y and not x]
@@ -219,7 +242,9 @@ def _extras(mask, n, s, bs):
 @pytest.mark.parametrize("bs,n,s", BIGBIRD_RANDOM)
 def test_bigbird_random_blocks_structure(bs, n, s):
     """Local + global as the oracle, plus at most random_blocks whole extra key blocks per
-    query block; seeded: same seed same mask, another seed another, global RNG untouched."""
+    query block; seeded: same seed same mask, another seed another (when some query block
+    has more free blocks than random_blocks: bs=64 has 4 blocks, all drawn), global RNG
+    untouched."""
     mask = BigBird(bs, window_blocks=3, global_blocks=1, random_blocks=2, seed=7)
     torch.manual_seed(0)
     dense = dense_lists(mask, n, s)[0][0]
@@ -229,7 +254,9 @@ def test_bigbird_random_blocks_structure(bs, n, s):
     assert first_diff(again, dense) is None
     other = dense_lists(BigBird(bs, window_blocks=3, global_blocks=1, random_blocks=2,
                                 seed=8), n, s)[0][0]
-    assert first_diff(other, dense) is not None
+    choice = any(len(f) > 2 for f in bigbird_free_blocks(n, s, bs, 3, 1, False))
+    assert choice == (bs != 64)
+    assert (first_diff(other, dense) is not None) == choice
 
     extras, base = _extras(mask, n, s, bs)
     assert all(len(e) <= mask.random_blocks for e in extras), extras
@@ -238,18 +265,39 @@ def test_bigbird_random_blocks_structure(bs, n, s):
     assert_same(mask, n, s, expand_blocks(full, n, s, bs, False))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BigBird draws its random_blocks among all key blocks (argsort of rand(nb, sb)), so "
-    "they may repeat local/global blocks: N=S=203, bs=16, window 3, 1 global, 3 random: "
-    "non-global query blocks get 1-2 extra blocks, not 3 (the paper / HF exclude window "
-    "and global blocks from the draw)"))
-def test_bigbird_random_blocks_are_extra():
-    n = s = 203
-    mask = BigBird(16, window_blocks=3, global_blocks=1, random_blocks=3, seed=0)
-    extras, base = _extras(mask, n, s, 16)
-    for a, (e, row) in enumerate(zip(extras, base, strict=True)):
-        free = len(row) - sum(row)
-        assert len(e) == min(mask.random_blocks, free), (a, e, free)
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("n,s,bs,window_blocks,random_blocks", [
+    (203, 203, 16, 3, 3), (113, 203, 16, 1, 2), (203, 113, 16, 3, 2), (17, 203, 4, 5, 6),
+    (203, 203, 64, 3, 8)])
+def test_bigbird_random_blocks_are_extra(n, s, bs, window_blocks, random_blocks, causal):
+    """Random blocks are drawn from the free blocks only (neither local nor global; causal:
+    not wholly in the future): exactly min(random_blocks, free) per query block."""
+    mask = BigBird(bs, window_blocks=window_blocks, global_blocks=1,
+                   random_blocks=random_blocks, seed=0, causal=causal)
+    extras, _ = _extras(mask, n, s, bs)
+    free = bigbird_free_blocks(n, s, bs, window_blocks, 1, causal)
+    for a, (e, f) in enumerate(zip(extras, free, strict=True)):
+        assert set(e) <= set(f), (a, e, f)
+        assert len(e) == min(random_blocks, len(f)), (a, e, f)
+    assert sum(map(len, extras)) > 0
+    want = expand_blocks([[x or b in extras[a] for b, x in enumerate(row)] for a, row in
+                          enumerate(bigbird_block_oracle(n, s, bs, window_blocks, 1))],
+                         n, s, bs, causal)
+    assert_same(mask, n, s, want)
+
+
+def test_bigbird_causal_random_is_seeded():
+    """Causal random draws: same seed same layout whatever the global RNG, another seed
+    another layout."""
+    def lay(seed):
+        return BigBird(16, global_blocks=1, random_blocks=2, seed=seed,
+                       causal=True).layout(203, 203)
+
+    torch.manual_seed(0)
+    first = lay(4)
+    torch.manual_seed(99)
+    assert torch.equal(lay(4), first)
+    assert not torch.equal(lay(5), first)
 
 
 @pytest.mark.parametrize("bs", BLOCKS)
@@ -351,13 +399,17 @@ ATTN_PATTERNS = {
     "bigbird-causal": (lambda n, s: BigBird(64, window_blocks=3, global_blocks=1,
                                             random_blocks=0, causal=True),
                        lambda n, s: bigbird_oracle(n, s, 64, 3, 1, True)),
+    "bigbird-random-causal": (lambda n, s: BigBird(16, window_blocks=3, global_blocks=1,
+                                                   random_blocks=2, seed=3, causal=True),
+                              lambda n, s: _bigbird_with_extras(BigBird(
+                                  16, window_blocks=3, global_blocks=1, random_blocks=2,
+                                  seed=3, causal=True), n, s)),
     "blocksparse": (lambda n, s: BlockSparse(torch.tensor(
                         random_layout(-(-n // 16), -(-s // 16), 5), dtype=torch.bool)
                         .reshape(-(-n // 16), -(-s // 16)), 16),
                     lambda n, s: expand_blocks(random_layout(-(-n // 16), -(-s // 16), 5),
                                                n, s, 16, False)),
 }
-# N <= S, and S - N a multiple of 16 for the causal BigBird: outside the known issues above.
 ATTN_SHAPES = [(203, 203), (75, 203), (1, 113)]
 
 
@@ -370,6 +422,19 @@ def test_attention_matches_fp64_oracle(name, n, s, backend, padded):
     q, k, v, d_out = _inputs(2, 1, n, s, 16, seed=sum(map(ord, name)) + 7 * n + s)
     lengths = [s, s // 3 if n > 1 else 0] if padded else None  # 0: every row empty
     check_attention(build(n, s), oracle(n, s), q, k, v, d_out, backend=backend,
+                    lengths=lengths)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["", "padding"])
+@pytest.mark.parametrize("n,s", [(17, 203), (203, 113), (2, 1), (45, 203)])
+@pytest.mark.parametrize("name", [k for k in ATTN_PATTERNS if k.startswith("bigbird")])
+def test_bigbird_misaligned_attention_matches_fp64_oracle(name, n, s, padded):
+    """(S - N) % block_size != 0 and N > S: query blocks straddle key blocks (chunked
+    backend: only the live key blocks are gathered)."""
+    build, oracle = ATTN_PATTERNS[name]
+    q, k, v, d_out = _inputs(2, 1, n, s, 16, seed=sum(map(ord, name)) + 7 * n + s)
+    lengths = [s, max(1, s // 3)] if padded else None
+    check_attention(build(n, s), oracle(n, s), q, k, v, d_out, backend="chunked",
                     lengths=lengths)
 
 

@@ -169,22 +169,50 @@ class Longformer(Mask):
 
 
 class BigBird(Mask):
-    """BigBird (Zaheer et al. 2020) block pattern: each query block attends its
-    ``window_blocks`` neighbouring blocks, ``global_blocks`` first blocks (which attend
-    everything), and ``random_blocks`` random key blocks (drawn once per (N, S) from
-    ``seed``: reproducible). Served as a ``BlockSparse`` layout.
+    """BigBird (Zaheer et al. 2020) block pattern, served as a ``BlockSparse`` layout.
+
+    Queries and keys are cut into blocks of ``block_size`` (the last ones partial). Query
+    block a, whose first query sits at position ``a·block_size + S - N`` (bottom-right, as
+    ``Causal``), is placed at key block ``a' = floor(that position / block_size)``. It attends:
+
+    - local: the ``window_blocks`` key blocks ``|b - a'| <= (window_blocks - 1) // 2``
+      (``window_blocks`` must be odd: 3 = block a' and one neighbour each side, as in the
+      paper);
+    - global: the first ``global_blocks`` key blocks, and every key when a' itself is one
+      of them (``0 <= a' < global_blocks``; query blocks before the first key, a' < 0,
+      are never global);
+    - random: up to ``random_blocks`` further key blocks drawn without replacement from the
+      blocks that are neither local nor global for that query block (all that remain when
+      fewer are free), once per (N, S) from ``seed`` with a private generator: the same
+      seed gives the same layout whatever the global torch RNG.
+
+    ``causal=True``: the pattern above & ``Causal()`` element by element (query at position
+    p sees key j only if ``j <= p``), so every query keeps each allowed key up to its own
+    position, its own key included when ``window_blocks >= 3``; random blocks are then drawn
+    only among key blocks holding a position some query of the block may see (at or before
+    the block's last query). Layout blocks holding only future keys are dropped, so backends
+    never visit them.
     """
 
     sparse = True
 
     def __init__(self, block_size: int = 64, *, window_blocks: int = 3, global_blocks: int = 2,
                  random_blocks: int = 3, seed: int = 0, causal: bool = False) -> None:
-        for name, val in (("block_size", block_size), ("window_blocks", window_blocks)):
-            if not isinstance(val, int) or val < 1:
-                raise ValueError(f"BigBird: {name} must be a positive int, got {val!r}")
+        for name, val, low in (("block_size", block_size, 1), ("window_blocks", window_blocks, 1),
+                               ("global_blocks", global_blocks, 0),
+                               ("random_blocks", random_blocks, 0)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < low:
+                kind = "a positive" if low else "a non-negative"
+                raise ValueError(f"BigBird: {name} must be {kind} int, got {val!r}")
+        if window_blocks % 2 == 0:
+            raise ValueError(f"BigBird: window_blocks must be odd (the block itself and "
+                             f"(window_blocks - 1) // 2 neighbours each side), got "
+                             f"{window_blocks!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"BigBird: seed must be an int, got {seed!r}")
         self.block_size, self.window_blocks = block_size, window_blocks
         self.global_blocks, self.random_blocks = global_blocks, random_blocks
-        self.seed, self.causal = seed, causal
+        self.seed, self.causal = seed, bool(causal)
         self._cache: dict[tuple[int, int], BlockSparse] = {}
 
     @property
@@ -193,22 +221,28 @@ class BigBird(Mask):
         return self.block_size
 
     def layout(self, n: int, s: int) -> Tensor:
-        """The (ceil(N/blk), ceil(S/blk)) bool layout for this problem size."""
+        """The (ceil(N/blk), ceil(S/blk)) bool layout for this problem size (with
+        ``causal``, ``block`` also applies ``j <= p`` inside the live blocks)."""
         bs = self.block_size
         nb, sb = -(-n // bs), -(-s // bs)
-        off = (s - n) // bs  # query block a sits at key block a + off
-        a = torch.arange(nb)[:, None] + off
-        b = torch.arange(sb)[None, :]
-        half = self.window_blocks // 2
-        layout = (b - a).abs() <= half
-        layout[:, : self.global_blocks] = True
-        layout[(a[:, 0] < self.global_blocks)] = True
-        gen = torch.Generator().manual_seed(self.seed)
+        first = torch.arange(nb) * bs + (s - n)  # position of each query block's first query
+        a = torch.div(first, bs, rounding_mode="floor")[:, None]  # its key block a', (nb, 1)
+        b = torch.arange(sb)[None, :]  # (1, sb)
+        base = ((b - a).abs() <= (self.window_blocks - 1) // 2) | (b < self.global_blocks)
+        base |= (a >= 0) & (a < self.global_blocks)  # global query blocks see every key
+        if self.causal:  # key blocks starting at or before the block's last query position
+            last = torch.clamp(torch.arange(1, nb + 1) * bs, max=n) - 1 + (s - n)
+            visible = b * bs <= last[:, None]
+        else:
+            visible = torch.ones(nb, sb, dtype=torch.bool)
+        layout = base & visible
         if self.random_blocks > 0:
-            picks = torch.rand(nb, sb, generator=gen).argsort(dim=1)[:, : self.random_blocks]
-            layout[torch.arange(nb)[:, None], picks] = True
-        if self.causal:
-            layout &= b <= a
+            free = ~base & visible
+            gen = torch.Generator().manual_seed(self.seed)
+            keys = torch.rand(nb, sb, generator=gen).masked_fill(~free, 2.0)
+            picks = keys.argsort(dim=1)[:, : self.random_blocks]
+            drawn = torch.zeros(nb, sb, dtype=torch.bool).scatter_(1, picks, True)
+            layout |= drawn & free  # rows with fewer free blocks take all of them
         return layout
 
     def _sparse(self, n: int, s: int) -> BlockSparse:
@@ -227,8 +261,11 @@ class BigBird(Mask):
             blk = rel[None, None] if blk is True else blk & rel
             if bool(blk.all()):
                 return True
+            if not bool(blk.any()):
+                return False
         return blk
 
     def describe(self) -> str:
         return (f"BigBird(block_size={self.block_size}, window={self.window_blocks}, "
-                f"global={self.global_blocks}, random={self.random_blocks}, seed={self.seed})")
+                f"global={self.global_blocks}, random={self.random_blocks}, seed={self.seed}, "
+                f"causal={self.causal})")
