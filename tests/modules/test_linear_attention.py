@@ -157,8 +157,13 @@ def test_favor_projection_is_state_and_redrawable():
         assert torch.equal(other(x, causal=True), m(x, causal=True))
         before = m(x, causal=True)
         old = m.feature_projection.clone()
+        rng = torch.get_rng_state()
         m.redraw_features(torch.Generator().manual_seed(1))
+        assert torch.equal(rng, torch.get_rng_state())  # a given generator is the only source
         assert not torch.equal(old, m.feature_projection)
+        drawn = m.feature_projection.clone()
+        m.redraw_features(torch.Generator().manual_seed(1))
+        assert torch.equal(drawn, m.feature_projection)
         assert not torch.allclose(m(x, causal=True), before)
     with pytest.raises(ValueError, match="elu' has no random features"):
         make("elu").redraw_features()

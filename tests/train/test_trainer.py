@@ -234,3 +234,29 @@ def test_a_data_file_run_resumes_from_another_directory(tmp_path, monkeypatch):
     Trainer.resume(tmp_path / "run", steps=3, **quiet()).run()
     assert json.loads((tmp_path / "run/run.json").read_text())["data"] == str(
         tmp_path / "a" / "pairs.tsv")
+
+
+def test_checkpoint_files_get_ordinary_permissions(tmp_path):
+    """Atomic writes go through a private temporary file; the result must still be readable
+    as a plain open(path, "w") file would be (0666 less the umask)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    run = tmp_path / "run"
+    Trainer(config(steps=1, eval_every=1), run, **quiet()).run()
+    for path in [run / "run.json", *(run / "checkpoint").iterdir()]:
+        assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path
+
+
+def test_a_partial_metrics_line_from_a_kill_does_not_block_resume(tmp_path):
+    run = tmp_path / "run"
+    Trainer(config(steps=3), run, **quiet()).run()
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 4, "loss": 1.2')  # the process died mid-line
+    Trainer.resume(run, steps=4, **quiet()).run()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_max_len_shorter_than_the_data_is_named(tmp_path):
+    with pytest.raises(ValueError, match="max_len=8 is shorter than the longest example"):
+        Trainer(config(max_len=8), tmp_path / "run", **quiet())

@@ -11,7 +11,6 @@ reads bos + input [+ " " + target] + eos; models trained on plain text read the 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -58,20 +57,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
-def _run_info(run: Path) -> dict[str, Any]:
-    """run.json of the run (beside the checkpoint or above it); {} when absent/unreadable."""
-    from ..train import find_checkpoint
-
-    for path in (find_checkpoint(run) / "run.json", run / "run.json"):
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict):
-            return data
-    return {}
-
-
 def _max_len(model: nn.Module) -> int | None:
     """The longest sequence the model's positions allow, or None (relative positions)."""
     from ..models import Transformer
@@ -102,9 +87,10 @@ def _frame(model: nn.Module, tok: Any, info: dict[str, Any], text: str, target: 
     """(input ids, target ids or None, the generated target text or None), framed as in
     training."""
     from ..models import BERT, Transformer
+    from ..train.checkpoint import trained_on_pairs
 
     bos, eos = tok.bos_id, tok.eos_id
-    pairs = info.get("task", "dates") is not None or isinstance(model, Transformer)
+    pairs = trained_on_pairs(info)
     limit = _max_len(model)
     if isinstance(model, Transformer):
         src = [*tok.encode(text), eos]
@@ -144,7 +130,7 @@ def _index(name: str, value: int | None, total: int) -> int | None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..train import load_run
+    from ..train.checkpoint import load_run, read_run_info
     from ..viz import (
         attention_html,
         attention_maps,
@@ -153,6 +139,7 @@ def _run(args: argparse.Namespace) -> int:
         token_labels,
     )
     from . import UserError
+    from .generate import warn_unknown
 
     if not args.input.strip():
         raise UserError("--input is empty")
@@ -166,9 +153,7 @@ def _run(args: argparse.Namespace) -> int:
     n_layers, n_heads = _stack_sizes(model)
     layer = _index("layer", args.layer, n_layers)
     head = _index("head", args.head, n_heads)
-    info = _run_info(run)
-    from .generate import warn_unknown
-
+    info = read_run_info(run)
     warn_unknown(tok, [args.input, args.target or ""])
     src, tgt, generated = _frame(model, tok, info, args.input, args.target,
                                  args.max_new_tokens)

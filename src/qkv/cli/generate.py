@@ -10,7 +10,6 @@ default, beam search with ``--beams K``, sampling with ``--sample``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -123,25 +122,18 @@ def warn_unknown(tok: Any, texts: list[str]) -> None:
 def _load(run: str, want: str) -> tuple[Any, Any, dict]:
     """(model, tokenizer, run.json dict) of a run directory holding a ``want`` model."""
     from ..models import GPT, Transformer
-    from ..train.checkpoint import find_checkpoint, load_run
+    from ..train.checkpoint import load_run, read_run_info
     from . import UserError
 
     model, tokenizer = load_run(run)
-    info: dict = {}
-    for path in (find_checkpoint(run) / "run.json", Path(run) / "run.json"):
-        if path.is_file():
-            try:
-                info = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as exc:
-                raise UserError(f"{path}: cannot read run.json: {exc}") from None
-            break
+    info = read_run_info(run)
     kinds = {"gpt": GPT, "transformer": Transformer}
     if not isinstance(model, kinds[want]):
         other = "qkv translate" if want == "gpt" else "qkv generate"
         hint = f" (use {other})" if isinstance(model, (GPT, Transformer)) else ""
         raise UserError(f"{run} holds a {type(model).__name__} model; this command needs a "
                         f"{kinds[want].__name__} run{hint}")
-    return model, tokenizer, info if isinstance(info, dict) else {}
+    return model, tokenizer, info
 
 
 def _check_decoding(args: argparse.Namespace) -> None:
@@ -157,6 +149,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     import torch
 
     from ..generation import complete
+    from ..train.checkpoint import trained_on_pairs
     from . import UserError
 
     _check_decoding(args)
@@ -169,7 +162,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     model, tok, info = _load(args.run, "gpt")
     warn_unknown(tok, args.prompt)
     generator = None if args.seed is None else torch.Generator().manual_seed(args.seed)
-    outputs = complete(model, tok, args.prompt, framed=info.get("task") is not None,
+    outputs = complete(model, tok, args.prompt, framed=trained_on_pairs(info),
                        max_new_tokens=args.max_new_tokens, num_beams=args.beams,
                        length_penalty=args.length_penalty, do_sample=args.sample,
                        temperature=1.0 if args.temperature is None else args.temperature,

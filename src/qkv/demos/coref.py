@@ -98,7 +98,8 @@ def train_coref(model: BERT, tok: WordTokenizer, *, steps: int, batch_size: int 
     """Train ``model`` for ``steps`` AdamW steps on "train" examples (step s reads examples
     s·batch_size ...), cross-entropy of the pronoun's MLM logits (B, V) against the
     antecedent word; linear warm-up over 5% of the steps, then cosine decay to 0.
-    ``log(step, loss)`` is called every 100 steps. Returns the loss of every step."""
+    ``log(step, loss)`` is called every 100 steps. Returns the loss of every step; the
+    model is left in eval mode (ready to evaluate)."""
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
@@ -128,13 +129,23 @@ def train_coref(model: BERT, tok: WordTokenizer, *, steps: int, batch_size: int 
 def pronoun_noun_attention(model: BERT, tok: WordTokenizer,
                            examples: Sequence[CorefExample], *,
                            batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run ``model`` (eval mode) on ``examples``.
+    """Run ``model`` on ``examples`` in eval mode (its train/eval mode is restored after).
 
     Returns ``(correct, weights)``: correct (E,) bool, the MLM head's top word at the
     pronoun is the antecedent; weights (E, L, H, 2), each head's attention from the pronoun
     to [antecedent, other noun].
     """
+    was_training = model.training
     model.eval()
+    try:
+        return _pronoun_noun_attention(model, tok, examples, batch_size)
+    finally:
+        model.train(was_training)
+
+
+def _pronoun_noun_attention(model: BERT, tok: WordTokenizer,
+                            examples: Sequence[CorefExample],
+                            batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     correct, weights = [], []
     for i in range(0, len(examples), batch_size):
         batch = coref_batch(tok, examples[i:i + batch_size])

@@ -32,13 +32,27 @@ class CheckpointError(ValueError):
     """A checkpoint cannot be loaded: missing files, mismatched keys/shapes, bad format."""
 
 
+def _process_umask() -> int:
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+#: read once at import (changing the umask is process-wide; doing it per call would race)
+_FILE_MODE = 0o666 & ~_process_umask()
+
+
 def atomic_write(path: Path, write) -> None:
-    """Call ``write(tmp_path)`` then rename the temporary file onto ``path``."""
+    """Call ``write(tmp_path)`` then rename the temporary file onto ``path``: a reader (or a
+    process killed mid-write) sees the old file or the new one, never half of one. The file
+    gets the permissions a plain ``open(path, "w")`` would (0666 less the umask), not the
+    temporary file's private 0600."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, _FILE_MODE)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -142,9 +142,7 @@ class LinearAttention(nn.Module):
         if self._features is None:
             raise ValueError("LinearAttention.redraw_features: feature_map='elu' has no "
                              "random features")
-        fresh = FavorFeatures(self.head_dim, self.num_features)
-        fresh.redraw(generator)
-        self.feature_projection.copy_(fresh.projection)
+        self._favor().redraw(generator)  # in place: its projection is the buffer itself
 
     def _favor(self) -> FavorFeatures | None:
         if self._features is None:

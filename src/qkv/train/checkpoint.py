@@ -33,7 +33,7 @@ from ..models import BERT, GPT, CheckpointError, Transformer
 from ..models.hub import atomic_write, read_json
 
 __all__ = ["CHECKPOINT_DIR", "MODEL_CLASSES", "find_checkpoint", "load_run",
-           "load_trainer_state", "save_checkpoint"]
+           "load_trainer_state", "read_run_info", "save_checkpoint", "trained_on_pairs"]
 
 CHECKPOINT_DIR = "checkpoint"
 _TMP, _OLD = "checkpoint.tmp", "checkpoint.old"
@@ -85,7 +85,7 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model: nn.Module, tokenizer: 
     _write_json(tmp / "run.json", run_info)
     tensors, opt_json = _optimizer_tensors(optimizer)
     tensors["rng.torch"] = torch.get_rng_state()
-    save_file(tensors, str(tmp / STATE_TENSORS))
+    atomic_write(tmp / STATE_TENSORS, lambda path: save_file(tensors, path))
     _write_json(tmp / STATE_JSON, {"step": step, "data_position": data_position,
                                    "optimizer": opt_json})
     if final.exists():
@@ -133,6 +133,30 @@ def load_run(path: str | os.PathLike) -> tuple[nn.Module, Any]:
     if not (ckpt / "tokenizer.json").is_file():
         raise CheckpointError(f"{ckpt}: tokenizer.json is missing")
     return model, read_tokenizer(ckpt / "tokenizer.json")
+
+
+def read_run_info(path: str | os.PathLike) -> dict[str, Any]:
+    """The training settings (run.json) of a run or checkpoint directory: the checkpoint's
+    copy first, else the run directory's; {} when neither exists.
+
+    Raises:
+        CheckpointError: a run.json that is not a readable JSON object.
+    """
+    path = Path(path)
+    for candidate in (find_checkpoint(path) / "run.json", path / "run.json"):
+        if candidate.is_file():
+            data = read_json(candidate)
+            if not isinstance(data, dict):
+                raise CheckpointError(f"{candidate}: run.json is not a JSON object")
+            return data
+    return {}
+
+
+def trained_on_pairs(info: dict[str, Any]) -> bool:
+    """Whether a run (its ``read_run_info``) trained on source/target pairs — an embedded
+    task, or a TSV for an encoder-decoder — so a GPT reads bos + prompt + eos and answers up
+    to eos. False for plain-text runs and for checkpoints without run.json."""
+    return info.get("task") is not None or info.get("model") == "transformer"
 
 
 def load_trainer_state(checkpoint: str | os.PathLike,

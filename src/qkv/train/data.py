@@ -14,7 +14,9 @@ Batch layouts (B batch, S source length, N target/sequence length):
   covers the target and its eos only (``prompt`` = bos + source + eos is what generation
   starts from). Plain text: contiguous windows of ``max_len`` + 1 tokens.
 - bert-mlm: bos + source + " " + target + eos per pair (or a text window), with 15 % of the
-  real tokens chosen for prediction (80 % -> the mask token, 10 % random, 10 % kept).
+  real tokens chosen for prediction (80 % -> the mask token, 10 % random, 10 % kept); the
+  mask token is the tokenizer's ``mask_id`` when it has one, else ``<unk>`` (qkv's char and
+  BPE tokenizers have no separate mask token).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from ..data.tokenizer import SPECIALS
 
 __all__ = ["IGNORE", "MODEL_KINDS", "PairData", "TextData", "gpt_prompts", "make_batch"]
 
@@ -188,13 +192,10 @@ def _mlm_batch(rows: list[list[int]], tokenizer: Any, *, step: int, seed: int
     chosen[none, first[none]] = True
     labels = torch.where(chosen, ids, torch.full_like(ids, IGNORE))
     roll = torch.rand(ids.shape, generator=g)
-    random_ids = torch.randint(len(_SPECIALS), tokenizer.vocab_size, ids.shape, generator=g)
+    random_ids = torch.randint(len(SPECIALS), tokenizer.vocab_size, ids.shape, generator=g)
     corrupted = torch.where(chosen & (roll < 0.8), torch.full_like(ids, _mask_id(tokenizer)), ids)
     corrupted = torch.where(chosen & (roll >= 0.8) & (roll < 0.9), random_ids, corrupted)
     return {"ids": corrupted, "attention_mask": keep, "labels": labels}
-
-
-_SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 
 
 def _mask_id(tokenizer: Any) -> int:

@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from .data import IGNORE, PairData, TextData, make_batch
+from .loss import token_loss
 
 __all__ = ["evaluate", "exact_match"]
 
@@ -24,19 +24,6 @@ def exact_match(predictions: list[str], targets: list[str]) -> float:
     if len(predictions) != len(targets):
         raise ValueError(f"{len(predictions)} predictions for {len(targets)} targets")
     return sum(p == t for p, t in zip(predictions, targets, strict=True)) / max(len(targets), 1)
-
-
-def _loss(kind: str, model: nn.Module, batch: dict[str, Tensor]) -> tuple[float, int, Tensor,
-                                                                          Tensor]:
-    if kind == "transformer":
-        logits, target = model(batch["src"], batch["tgt_in"]), batch["tgt_out"]
-    elif kind == "gpt":
-        logits, target = model(batch["ids"]), batch["targets"]
-    else:
-        logits, target = model.masked_lm(batch["ids"], batch["attention_mask"]), batch["labels"]
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
-                           ignore_index=IGNORE, reduction="sum")
-    return loss.item(), int((target != IGNORE).sum()), logits, target
 
 
 def evaluate(kind: str, model: nn.Module, tokenizer: Any, data: PairData | TextData,
@@ -53,8 +40,8 @@ def evaluate(kind: str, model: nn.Module, tokenizer: Any, data: PairData | TextD
             step = DECODE_BATCH
             for i in range(0, len(items), step):
                 batch = make_batch(kind, items[i:i + step], tokenizer, step=-1 - i)
-                loss, k, logits, target = _loss(kind, model, batch)
-                total, n = total + loss, n + k
+                loss, k, logits, target = token_loss(kind, model, batch)
+                total, n = total + loss.item(), n + int(k)
                 if kind == "bert-mlm":
                     sel = target != IGNORE
                     correct += int((logits.argmax(-1)[sel] == target[sel]).sum())

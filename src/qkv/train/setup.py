@@ -54,18 +54,21 @@ def load_data(config: TrainConfig, tokenizer: Any, max_len: int) -> PairData | T
 
 
 def _max_len(config: TrainConfig, raw: Any, tokenizer: Any) -> int:
-    if config.max_len is not None:
-        return config.max_len
     if not _is_pairs(config):
-        return DEFAULT_TEXT_WINDOW
+        return config.max_len or DEFAULT_TEXT_WINDOW
     if config.task is not None:  # characters bound tokens from above (char or BPE)
         src, tgt = raw.max_source_len, raw.max_target_len
     else:
         src = max(len(tokenizer.encode(s)) for s, _ in raw)
         tgt = max(len(tokenizer.encode(t)) for _, t in raw)
-    if config.model == "transformer":
-        return max(src, tgt) + 2  # source + eos; bos + target / target + eos
-    return src + tgt + 3  # gpt: bos source eos target eos; bert: bos source " " target eos
+    # transformer: source + eos, bos + target; gpt: bos source eos target eos; bert: bos
+    # source " " target eos
+    need = max(src, tgt) + 2 if config.model == "transformer" else src + tgt + 3
+    if config.max_len is not None and config.max_len < need:
+        raise ValueError(f"max_len={config.max_len} is shorter than the longest example "
+                         f"({need} tokens with its special tokens); raise --max-len or leave "
+                         f"it out")
+    return config.max_len or need
 
 
 def _data(config: TrainConfig, raw: Any, tokenizer: Any, max_len: int | None

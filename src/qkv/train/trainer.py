@@ -16,16 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..models import BERT, GPT, BERTConfig, GPTConfig, Transformer, TransformerConfig
 from ..models.hub import CheckpointError, atomic_write, read_json
 from .checkpoint import find_checkpoint, load_run, load_trainer_state, save_checkpoint
 from .config import TrainConfig
-from .data import IGNORE, make_batch
+from .data import make_batch
 from .distributed import all_reduce_sum, barrier, setup_world, teardown_world
 from .evaluate import evaluate
+from .loss import token_loss
 from .schedules import lr_multiplier
 from .setup import load_data, prepare_data
 
@@ -48,17 +48,9 @@ class _Objective(nn.Module):
         self.kind, self.model, self.label_smoothing = kind, model, label_smoothing
 
     def forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        if self.kind == "transformer":
-            logits, target = self.model(batch["src"], batch["tgt_in"]), batch["tgt_out"]
-        elif self.kind == "gpt":
-            logits, target = self.model(batch["ids"]), batch["targets"]
-        else:
-            logits = self.model.masked_lm(batch["ids"], batch["attention_mask"])
-            target = batch["labels"]
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
-                               ignore_index=IGNORE, reduction="sum",
-                               label_smoothing=self.label_smoothing)
-        return loss, (target != IGNORE).sum()
+        loss, count, _, _ = token_loss(self.kind, self.model, batch,
+                                       label_smoothing=self.label_smoothing)
+        return loss, count
 
 
 def build_model(config: TrainConfig, vocab_size: int, max_len: int, pad_id: int) -> nn.Module:
@@ -100,6 +92,11 @@ class Trainer:
 
     Build with ``Trainer(config, out)`` for a new run or ``Trainer.resume(out, steps=M)``.
     ``run()`` trains up to ``config.steps`` and returns the final evaluation.
+
+    The run owns torch's global RNG (what dropout draws from): a new run seeds it with
+    ``config.seed``, a resumed one restores the checkpoint's state, and neither restores the
+    caller's state afterwards. Under torchrun every rank starts from the same seed (the
+    checkpoint holds rank 0's RNG state, so a resumed run stays bit-identical).
     """
 
     def __init__(self, config: TrainConfig, out_dir: str | Path, *, progress: bool = True,
@@ -108,6 +105,13 @@ class Trainer:
         self.progress, self.log = progress, log
         self.device = torch.device("cpu")
         self.world = setup_world(self.device)
+        try:
+            self._setup(config, _resume)
+        except BaseException:
+            teardown_world(self.world)  # a refused run must not leave the process group open
+            raise
+
+    def _setup(self, config: TrainConfig, _resume: bool) -> None:
         if config.batch_size % self.world.size:
             raise ValueError(f"batch_size {config.batch_size} is not divisible by the "
                              f"{self.world.size} processes")
@@ -127,7 +131,7 @@ class Trainer:
             self.max_len = int(self.model.config.max_len)
             self.data = load_data(config, self.tokenizer, self.max_len)
         else:
-            if self.world.is_main and (self.out / "run.json").exists():
+            if (self.out / "run.json").exists():  # every rank checks, before anyone writes
                 raise ValueError(f"{self.out} already holds a run; continue it with qkv train "
                                  f"--resume {self.out}, or choose another directory")
             if config.data is not None:  # resumable from any working directory
@@ -151,6 +155,7 @@ class Trainer:
                                  f"greater than {self.step} to continue it")
             if self.world.is_main:
                 _truncate_metrics(self.out / METRICS, self.step)
+        barrier(self.world)
         if self.world.is_main:  # run.json: the settings --resume continues (new total steps)
             self.out.mkdir(parents=True, exist_ok=True)
             text = json.dumps(config.to_dict(), indent=2, sort_keys=True)
@@ -242,8 +247,9 @@ class Trainer:
                     tokens += m["tokens"]
                     elapsed = time.perf_counter() - t0
                     m["tokens_per_s"] = round(tokens / max(elapsed, 1e-9), 1)
-                    if main:
+                    if main:  # a line per step, flushed: a kill loses at most a partial one
                         metrics.write(json.dumps({"step": self.step, **m}) + "\n")
+                        metrics.flush()
                     if bar is not None:
                         bar.update(1)
                         bar.set_postfix(loss=f"{m['loss']:.3f}", lr=f"{m['lr']:.2e}",
@@ -291,10 +297,17 @@ class _Null:
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop the lines logged after the checkpoint's step (the resumed run logs them again)."""
+    """Drop the lines logged after the checkpoint's step (the resumed run logs them again),
+    and a partial last line a killed process may have left."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step]
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and row.get("step", 0) <= step:
+            keep.append(line)
     text = "".join(line + "\n" for line in keep)
     atomic_write(path, lambda tmp: Path(tmp).write_text(text))

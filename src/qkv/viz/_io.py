@@ -1,4 +1,5 @@
-"""Atomic file writes with ordinary permissions for the files ``qkv.viz`` produces."""
+"""Atomic file writes (``qkv.models.hub.atomic_write``) into folders created on demand, for
+the files ``qkv.viz`` produces."""
 
 from __future__ import annotations
 
@@ -12,17 +13,9 @@ __all__ = ["write_output"]
 
 
 def write_output(path: str | os.PathLike, write: Callable[[str], object]) -> Path:
-    """``write(tmp)`` then rename onto ``path`` (``atomic_write``), creating parent folders;
-    the file gets the permissions a plain ``open(path, "w")`` would (0666 less the umask),
-    not the temporary file's private 0600, so a page or plot can be shared or served."""
+    """``write(tmp)`` then rename onto ``path`` (``atomic_write``: ordinary 0666-less-umask
+    permissions), creating parent folders; returns ``path`` as a ``Path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    umask = os.umask(0o022)
-    os.umask(umask)
-
-    def write_public(tmp: str) -> None:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~umask)
-
-    atomic_write(path, write_public)
+    atomic_write(path, write)
     return path
