@@ -184,11 +184,16 @@ class Trainer:
 
     # --- one step -----------------------------------------------------------------------------
     def _batch(self, step: int) -> dict[str, Tensor]:
-        """The batch of optimizer step ``step`` (0-based) for this rank."""
+        """The batch of optimizer step ``step`` (0-based) for this rank: its rows of the global
+        batch, built whole on every rank (same padding width, same MLM corruption), so that N
+        processes compute exactly the sums one process would."""
         c, w = self.config, self.world
+        batch = make_batch(c.model, self.data.train(step * c.batch_size, c.batch_size),
+                           self.tokenizer, step=step, seed=c.seed)
+        if w.size == 1:
+            return batch
         per_rank = c.batch_size // w.size
-        items = self.data.train(step * c.batch_size + w.rank * per_rank, per_rank)
-        return make_batch(c.model, items, self.tokenizer, step=step, seed=c.seed + 7919 * w.rank)
+        return {k: t[w.rank * per_rank:(w.rank + 1) * per_rank] for k, t in batch.items()}
 
     def _lr(self, step: int) -> float:
         c = self.config
