@@ -6,7 +6,8 @@ dim. Output (B, H, N, Dv) in q's dtype; gradients never need an N×S tensor.
 Work is split into parts whose (output, LSE) pairs merge exactly:
 - explicit tiles (tiles.py): online softmax with any mask, dense bias or bias producer;
 - flash segments (fused.py): for structured relative biases (ALiBi, T5, Shaw) under no mask
-  or a causal mask, the bulk runs in torch's fused CPU kernel.
+  or a causal mask, the bulk runs in torch's fused CPU kernel;
+- sparse.py: plain sliding-window and block-sparse masks run in that kernel per query block.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .bias import BiasProducer
 from .fused import SegmentRunner, fast_path_refusal, plan_segments
 from .masks import And, Causal, Mask
 from .reference import compute_dtype, expand_kv
-from .sparse import window_attention, window_refusal
+from .sparse import block_sparse_attention, block_sparse_refusal, window_attention, window_refusal
 from .tiles import TileProblem, tiles_backward, tiles_forward
 
 __all__ = ["chunked_attention"]
@@ -139,7 +140,8 @@ def chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None = No
     Returns ``(out, lse)``: out (B, H, N, Dv) in q's dtype, lse (B, H, N) (-inf for rows that
     attend to nothing, whose output is 0; None from the sliding-window path). Giving
     ``block_q``/``block_k`` forces plain explicit tiles of that size (no fused fast path); by
-    default structured bias producers and a plain ``SlidingWindow`` take fused paths, and
+    default structured bias producers, a plain ``SlidingWindow`` and a plain ``BigBird`` /
+    ``BlockSparse`` / ``Longformer`` (no padding, bias or dropout) take fused paths; other
     block-sparse masks use their block size as the tile.
     """
     for name, size in (("block_q", block_q), ("block_k", block_k)):
@@ -152,6 +154,9 @@ def chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None = No
     if block_q is None and block_k is None and window_refusal(q, mask, bias, dropout_p) is None:
         out = window_attention(q, k, v, window=mask, scale=scale)
         return out, None
+    if (block_q is None and block_k is None
+            and block_sparse_refusal(q, mask, bias, dropout_p) is None):
+        return block_sparse_attention(q, k, v, mask=mask, scale=scale)
     if mask is not None and mask.tile is not None:  # block-sparse layouts: tiles = blocks
         block_q = block_q or mask.tile
         block_k = block_k or mask.tile
