@@ -15,6 +15,8 @@ import sys
 import time
 from collections.abc import Callable
 
+from qkv.bench import peak_growth_mib  # noqa: F401  (re-exported: one implementation, shared with `qkv bench`)
+
 
 def median_time(fn: Callable[[], object], repeat: int = 3, warmup: int = 1) -> float:
     """Median wall time of ``fn()`` in seconds."""
@@ -48,32 +50,6 @@ def side_by_side(fns: dict[str, Callable[[], object]], warmup: int, repeats: int
 def rss_peak_mib() -> float:
     """This process's resident-set high-water mark in MiB (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _proc_status_mib(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024  # kB
-    raise KeyError(key)
-
-
-def peak_growth_mib(call: Callable[[], object]) -> float:
-    """Peak resident memory during ``call()`` above the resident memory before it, MiB.
-
-    On Linux the high-water mark is reset first (``/proc/self/clear_refs``), so that the
-    peak of importing torch (larger than a small call's growth) does not hide it; elsewhere
-    the growth of ru_maxrss (which that earlier peak can hide)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current VmRSS
-        before = _proc_status_mib("VmRSS")
-        call()
-        return _proc_status_mib("VmHWM") - before
-    except (OSError, KeyError):
-        before = rss_peak_mib()
-        call()
-        return rss_peak_mib() - before
 
 
 def peak_growth_in_subprocess(module: str, case: str, *args: str) -> dict:

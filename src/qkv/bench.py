@@ -98,7 +98,12 @@ def _status_mib(key: str) -> float:
 
 
 def peak_growth_mib(call: Callable[[], object]) -> float:
-    """Peak resident memory during ``call()`` above the resident memory before it, MiB."""
+    """Peak resident memory during ``call()`` above the resident memory before it, MiB
+    (never negative).
+
+    On Linux the high-water mark is reset first (``/proc/self/clear_refs``), so that the
+    peak of importing torch (larger than a small call's growth) does not hide it; elsewhere
+    the growth of ru_maxrss (which that earlier peak can hide). Also used by benchmarks/."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM to the current VmRSS
