@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qkv.masks import BigBird, BlockSparse, Longformer, Padding
+from qkv.masks import And, BigBird, BlockSparse, Causal, Longformer, Padding
 from qkv.ops import chunked as chunked_mod
 from qkv.ops import sparse as sparse_mod
 from qkv.ops.chunked import chunked_attention
@@ -196,4 +196,110 @@ def test_refusals_keep_the_tile_path():
     assert block_sparse_refusal(q, bb, None, 0.0) is None
     assert "bias" in block_sparse_refusal(q, bb, torch.zeros(16, 16), 0.0)
     assert "dropout" in block_sparse_refusal(q, bb, None, 0.1)
-    assert block_sparse_refusal(q, bb & Padding(torch.tensor([9])), None, 0.0) is not None
+    assert block_sparse_refusal(q, bb & Padding(torch.tensor([9])), None, 0.0) is None
+    assert block_sparse_refusal(q, bb & Causal(), None, 0.0) is not None
+    assert block_sparse_refusal(q, bb & BigBird(8), None, 0.0) is not None
+    assert block_sparse_refusal(q, Padding(torch.tensor([9])), None, 0.0) is not None
+
+
+# --- block-sparse & Padding ------------------------------------------------------------------
+
+PADDINGS = {
+    # lengths 0 and 1, and ends inside a block (not a multiple of 8); clipped to S
+    "lengths-0": lambda s: Padding(torch.tensor([0, max(0, s - 3)])),
+    "lengths-1": lambda s: Padding(torch.tensor([1, min(s, 13)])),
+    "keep": lambda s: Padding(keep=torch.rand(2, s, generator=torch.Generator().manual_seed(s))
+                              < 0.7),
+    "two-paddings": lambda s: And((Padding(torch.tensor([s, min(s, 21)])),
+                                   Padding(torch.tensor([min(s, 30), s])))),
+}
+PAD_SHAPES = [(45, 45), (29, 61), (61, 29)]
+PAD_CASES = [(name, pad, n, s) for name in PATTERNS for pad in PADDINGS
+             for n, s in PAD_SHAPES]
+
+
+@pytest.mark.parametrize("name,pad,n,s", PAD_CASES)
+def test_padded_fused_equals_tiles_equals_fp64_reference(name, pad, n, s, monkeypatch):
+    mask = PATTERNS[name](n, s) & PADDINGS[pad](s)
+    mask.validate(2, 2, n, s)
+    assert block_sparse_refusal(torch.zeros(1), mask, None, 0.0) is None
+    calls = []
+    real = sparse_mod.block_sparse_attention
+    monkeypatch.setattr(chunked_mod, "block_sparse_attention",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = _qkv(2, 2, n, s, 8, torch.float32, seed=n * 100 + s + 7)
+    d_out = torch.randn(2, 2, n, 8, generator=torch.Generator().manual_seed(9))
+    keep = mask.dense(n, s)
+    want = _dense(q, k, v, keep)
+    want_g = _grads(want, (q, k, v), d_out.double())
+    fused, lse = chunked_attention(q, k, v, mask=mask, scale=SCALE)
+    assert calls, "the fused block-sparse path did not run"
+    dead = ~keep.any(dim=-1).expand(2, 2, n)
+    assert torch.isinf(lse[dead]).all() and torch.isfinite(lse[~dead]).all()
+    tiles = _tiles(q, k, v, mask)
+    for got in (fused, tiles):
+        assert torch.equal(got[dead], torch.zeros_like(got[dead]))
+        torch.testing.assert_close(got.double(), want, atol=5e-5, rtol=5e-6)
+        grads = _grads(got, (q, k, v), d_out)
+        assert torch.equal(grads[0][dead], torch.zeros_like(grads[0][dead]))
+        for a, b in zip(grads, want_g, strict=True):
+            torch.testing.assert_close(a.double(), b.double(), atol=5e-5, rtol=5e-6)
+
+
+@pytest.mark.parametrize("name", ["bigbird-causal", "blocksparse-heads", "longformer"])
+def test_padded_fp64_at_1e10_and_lse(name):
+    n, s = 37, 53
+    mask = PATTERNS[name](n, s) & Padding(torch.tensor([19, 0]))
+    q, k, v = _qkv(2, 2, n, s, 8, torch.float64, seed=5)
+    keep = mask.dense(n, s)
+    out, lse = chunked_attention(q, k, v, mask=mask, scale=SCALE)
+    torch.testing.assert_close(out, _dense(q, k, v, keep), atol=1e-10, rtol=1e-10)
+    scores = (q @ k.transpose(-2, -1)) * SCALE
+    want_lse = torch.logsumexp(scores.masked_fill(~keep, float("-inf")), dim=-1)
+    torch.testing.assert_close(lse, want_lse, atol=1e-10, rtol=1e-10)
+    assert torch.isinf(lse[1]).all() and not out[1].any()  # length 0: nothing to see
+    got = torch.autograd.grad(out.sum(), (q, k, v))
+    ref = torch.autograd.grad(_dense(q, k, v, keep).sum(), (q, k, v))
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+def test_padded_fused_path_never_runs_the_tiles(monkeypatch):
+    """Spy: BigBird & Padding runs the flash ops and never the explicit tile loops; through
+    qkv.attention, NaN in the padded keys/values (zeroed there first) does not leak in."""
+    import qkv
+
+    counts = {"fwd": 0, "bwd": 0}
+    real_fwd, real_bwd = sparse_mod._flash_fwd, sparse_mod._flash_bwd
+
+    def fwd(*a, **kw):
+        counts["fwd"] += 1
+        return real_fwd(*a, **kw)
+
+    def bwd(*a, **kw):
+        counts["bwd"] += 1
+        return real_bwd(*a, **kw)
+
+    def refuse(*a, **kw):
+        raise AssertionError("explicit tiles ran")
+
+    monkeypatch.setattr(sparse_mod, "_flash_fwd", fwd)
+    monkeypatch.setattr(sparse_mod, "_flash_bwd", bwd)
+    monkeypatch.setattr(chunked_mod, "tiles_forward", refuse)
+    monkeypatch.setattr(chunked_mod, "tiles_backward", refuse)
+    n = s = 64
+    mask = BigBird(8, random_blocks=1, causal=True) & Padding(torch.tensor([64, 37]))
+    q, k, v = _qkv(2, 2, n, s, 8, torch.float32)
+    with torch.no_grad():
+        k[1, :, 37:] = float("nan")
+        v[1, :, 37:] = float("nan")
+    out = qkv.attention(q, k, v, mask=mask, scale=SCALE, backend="chunked")
+    gq, gk, gv = torch.autograd.grad(out.sum(), (q, k, v))
+    assert counts["fwd"] >= 1 and counts["bwd"] == counts["fwd"]
+    keep = mask.dense(n, s)
+    clean = [t.detach().clone() for t in (k, v)]
+    for t in clean:
+        t[1, :, 37:] = 0.0
+    torch.testing.assert_close(out.double(), _dense(q, *clean, keep), atol=5e-5, rtol=5e-6)
+    assert all(torch.isfinite(g).all() for g in (gq, gk, gv))
+    assert not gk[1, :, 37:].any() and not gv[1, :, 37:].any()

@@ -7,7 +7,8 @@ Work is split into parts whose (output, LSE) pairs merge exactly:
 - explicit tiles (tiles.py): online softmax with any mask, dense bias or bias producer;
 - flash segments (fused.py): for structured relative biases (ALiBi, T5, Shaw) under no mask
   or a causal mask, the bulk runs in torch's fused CPU kernel;
-- sparse.py: plain sliding-window and block-sparse masks run in that kernel per query block.
+- sparse.py: plain sliding-window and block-sparse masks (the latter also ``& Padding``) run
+  in that kernel per query block.
 """
 
 from __future__ import annotations
@@ -141,8 +142,8 @@ def chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None = No
     attend to nothing, whose output is 0; None from the sliding-window path). Giving
     ``block_q``/``block_k`` forces plain explicit tiles of that size (no fused fast path); by
     default structured bias producers, a plain ``SlidingWindow`` and a plain ``BigBird`` /
-    ``BlockSparse`` / ``Longformer`` (no padding, bias or dropout) take fused paths; other
-    block-sparse masks use their block size as the tile.
+    ``BlockSparse`` / ``Longformer``, alone or ``& Padding(...)`` (no bias or dropout), take
+    fused paths; other block-sparse masks use their block size as the tile.
     """
     for name, size in (("block_q", block_q), ("block_k", block_k)):
         if size is not None and (isinstance(size, bool) or not isinstance(size, int)

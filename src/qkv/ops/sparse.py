@@ -12,8 +12,10 @@ or dropout take the same kernel: each query block gathers its live key blocks (i
 contiguous) and makes one call, with an additive mask only where the pattern is not all-True
 inside the gathered tile (causal diagonals, per-head layouts, window edges); backward calls
 the kernel's backward per block and scatter-adds dK, dV through the gather. Longformer's
-global query rows run apart against every key. Combined masks (``& Padding``, ...) run on
-the chunked backend's explicit tiles, which skip dead tiles.
+global query rows run apart against every key. A pattern ``& Padding(...)`` (key padding,
+one or more) takes the same calls: the gathered keys padded in every batch row are dropped,
+and a tile holding keys padded in some rows gets a per-batch-row additive mask (B, h, R, K).
+Other combined masks run on the chunked backend's explicit tiles, which skip dead tiles.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .masks import And, Padding
 from .reference import compute_dtype
 from .sparse_masks import BigBird, BlockSparse, Longformer, SlidingWindow
 
@@ -118,9 +121,10 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, *, window: SlidingWindow, 
 
 
 def block_sparse_refusal(q: Tensor, mask, bias, dropout_p: float) -> str | None:
-    """Why the fused block-sparse path cannot serve (None: it can)."""
-    if not isinstance(mask, (BigBird, BlockSparse, Longformer)):
-        return "not a plain BigBird / BlockSparse / Longformer mask"
+    """Why the fused block-sparse path cannot serve (None: it can): it takes a plain
+    ``BigBird`` / ``BlockSparse`` / ``Longformer`` mask, alone or ``& Padding(...)``."""
+    if _split_padding(mask) is None:
+        return "not a BigBird / BlockSparse / Longformer mask, alone or & Padding"
     if bias is not None:
         return "a bias"
     if dropout_p > 0:
@@ -128,6 +132,54 @@ def block_sparse_refusal(q: Tensor, mask, bias, dropout_p: float) -> str | None:
     if q.device.type != "cpu":
         return "uses torch's CPU flash kernel"
     return None
+
+
+def _split_padding(mask) -> tuple | None:
+    """(pattern, paddings) for a block-sparse pattern alone or ``& Padding(...)``; None for
+    anything else."""
+    parts = mask.parts if isinstance(mask, And) else (mask,)
+    patterns = [p for p in parts if isinstance(p, (BigBird, BlockSparse, Longformer))]
+    pads = [p for p in parts if isinstance(p, Padding)]
+    if len(patterns) != 1 or len(patterns) + len(pads) != len(parts):
+        return None
+    return patterns[0], pads
+
+
+def _key_padding(pads, s: int, device) -> Tensor | None:
+    """The Padding parts as one (B|1, S) bool tensor (True = real key); None when none."""
+    keep = None
+    for p in pads:
+        blk = p.block(0, 1, 0, s, 1, s, device)[:, 0, 0, :]  # (B|1, S)
+        keep = blk if keep is None else keep & blk
+    return keep
+
+
+def _with_padding(groups: list, pad: Tensor, device) -> list:
+    """Narrow planned groups (q_rows, keys, keep) by key padding ``pad`` (B|1, S): drop the
+    keys padded in every batch row, mask the ones padded in some (keep becomes (B, h, R, K))."""
+    out = []
+    for q_rows, keys, keep in groups:
+        pk = pad[:, keys]  # (B|1, K)
+        if bool(pk.all()):
+            out.append((q_rows, keys, keep))
+            continue
+        cols = pk.any(dim=0)  # (K,)
+        if not bool(cols.any()):
+            continue
+        if not bool(cols.all()):
+            idx = cols.nonzero().squeeze(1)
+            whole = (torch.arange(keys.start, keys.stop, device=device)
+                     if isinstance(keys, slice) else keys)
+            keys, pk = whole[idx], pk[:, idx]
+            if keep is not True:
+                keep = keep[..., idx]
+            if bool(pk.all()):
+                out.append((q_rows, keys, keep))
+                continue
+        rows = q_rows.stop - q_rows.start
+        keep = pk[:, None, None, :] if keep is True else keep & pk[:, None, None, :]
+        out.append((q_rows, keys, keep.expand(*keep.shape[:2], rows, keep.shape[-1])))
+    return out
 
 
 def _runs(cols: list[int]) -> list[tuple[int, int]]:
@@ -172,9 +224,11 @@ def _keys_of(runs, device):
 
 
 def _plan_block_sparse(mask, n: int, s: int, rows: int, device) -> list:
-    """Groups (q_rows, keys, keep, dead_rows): ``q_rows`` a slice or index tensor, ``keys``
-    a slice or index tensor, ``keep`` True or a bool tensor (b, h, R, K), ``dead_rows``
-    None or a bool tensor (b, h, R) of rows that see no key in this group."""
+    """Groups (q_rows, keys, keep, dead_rows): ``q_rows`` a slice, ``keys`` a slice or index
+    tensor, ``keep`` True or a bool tensor (b, h, R, K), ``dead_rows`` None or a bool tensor
+    (b, h, R) of rows that see no key in this group."""
+    mask, pads = _split_padding(mask)
+    pad = _key_padding(pads, s, device)
     groups = []
     if isinstance(mask, Longformer):
         g = mask.global_tokens.tolist()
@@ -219,6 +273,8 @@ def _plan_block_sparse(mask, n: int, s: int, rows: int, device) -> list:
                     keep = c[None, None] if keep is True else keep & c
             groups.append((slice(i0, i1), keys, keep))
         groups = _merge_rows(groups, device)
+    if pad is not None and not bool(pad.all()):
+        groups = _with_padding(groups, pad, device)
     out = []
     for q_rows, keys, keep in groups:
         dead = None
@@ -349,15 +405,18 @@ class _BlockSparseAttention(torch.autograd.Function):
 
 def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, *, mask, scale: float,
                            rows: int = 256) -> tuple[Tensor, Tensor]:
-    """Block-sparse attention (``BigBird``, ``BlockSparse``, ``Longformer``) in torch's CPU
-    flash kernel. q (B, H, N, D), k (B, H, S, D), v (B, H, S, Dv) (keys and values already
-    at H heads) -> out (B, H, N, Dv) in q's dtype and lse (B, H, N) (-inf, and out 0, for
-    rows that see no key).
+    """Block-sparse attention (``BigBird``, ``BlockSparse``, ``Longformer``, alone or
+    ``& Padding(...)``) in torch's CPU flash kernel. q (B, H, N, D), k (B, H, S, D),
+    v (B, H, S, Dv) (keys and values already at H heads) -> out (B, H, N, Dv) in q's dtype
+    and lse (B, H, N) (-inf, and out 0, for rows that see no key).
 
     Each query block (the mask's ``tile`` rows; ``rows`` rows for Longformer, whose global
     query rows run apart against all keys) gathers its live key blocks into one contiguous
     tile and makes one kernel call, with an additive mask only where the pattern is not
     all-True; backward calls the kernel's backward per block and scatter-adds dK, dV.
+    Key padding drops the keys padded in every batch row and masks, per batch row, those
+    padded in some (their weight is exactly 0; ``qkv.attention`` zeroes padded k/v first, so
+    NaN/inf there cannot leak in).
     """
     groups = _plan_block_sparse(mask, q.shape[2], k.shape[2], rows, q.device)
     return _BlockSparseAttention.apply(q, k, v, groups, scale)
