@@ -93,6 +93,9 @@ class Trainer:
     Build with ``Trainer(config, out)`` for a new run or ``Trainer.resume(out, steps=M)``.
     ``run()`` trains up to ``config.steps`` and returns the final evaluation.
 
+    Training runs on the CPU (fp32), one process or several under torchrun (gloo); a device
+    option for CUDA/nccl is not there yet.
+
     The run owns torch's global RNG (what dropout draws from): a new run seeds it with
     ``config.seed``, a resumed one restores the checkpoint's state, and neither restores the
     caller's state afterwards. Under torchrun every rank starts from the same seed (the
