@@ -1,5 +1,6 @@
 """Data parallelism under ``torchrun``: one process per rank, the global batch split across
-ranks, gradients averaged by ``DistributedDataParallel`` (gloo on CPU, nccl on GPU).
+ranks, gradients averaged by ``DistributedDataParallel`` (gloo for CPU tensors, nccl for
+CUDA ones; the ``Trainer`` runs on the CPU for now).
 
 Single-process runs (no ``WORLD_SIZE`` in the environment) use none of this.
 """
