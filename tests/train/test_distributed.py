@@ -54,3 +54,17 @@ def test_two_gloo_processes_match_one(tmp_path, model):
     assert two.stdout.count("qkv train: done") == 1  # rank 0 prints and writes
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == [
         "checkpoint", "metrics.jsonl", "run.json"]
+
+
+def test_resolve_device():
+    import torch
+
+    from qkv.train.distributed import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="device must be"):
+        resolve_device("not-a-device")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_device("cuda")

@@ -18,6 +18,7 @@ EXAMPLES = """examples:
   qkv train --model gpt --task addition --set positions=rope
   qkv train --model bert-mlm --data corpus.txt
   torchrun --nproc-per-node 2 -m qkv.cli train --task dates --batch-size 128
+  torchrun --nproc-per-node 4 -m qkv.cli train --data pairs.tsv --device cuda   # nccl
 
 --data: a TSV file (source<TAB>target per line) for --model transformer; plain UTF-8 text for
 gpt / bert-mlm. --steps always counts the optimizer steps of the whole run. The run directory
@@ -62,6 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "<time>)")
     p.add_argument("--resume", default=None, metavar="RUN",
                    help="continue the run in RUN up to --steps (its own settings otherwise)")
+    p.add_argument("--device", default="auto",
+                   help="auto (CUDA when available, default), cpu, cuda or cuda:N; under "
+                        "torchrun cuda means each rank's cuda:LOCAL_RANK (nccl)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_run)
 
@@ -94,7 +98,8 @@ def _run(args: argparse.Namespace) -> int:
         if extra:
             raise UserError(f"--resume continues a run with its own settings; only --steps may "
                             f"be given with it (got {', '.join(extra)})")
-        trainer = Trainer.resume(args.resume, steps=given.get("steps"), progress=progress)
+        trainer = Trainer.resume(args.resume, steps=given.get("steps"), progress=progress,
+                                 device=args.device)
         out = Path(args.resume)
     else:
         if "data" in given and "task" not in given:
@@ -104,10 +109,11 @@ def _run(args: argparse.Namespace) -> int:
         config = TrainConfig(**given, overrides=_overrides(args.overrides))
         stem = Path(config.data).stem if config.data else config.task
         out = Path(args.out or f"runs/{config.model}-{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
-        trainer = Trainer(config, out, progress=progress)
+        trainer = Trainer(config, out, progress=progress, device=args.device)
     if trainer.world.is_main:
         n = sum(p.numel() for p in trainer.model.parameters())
-        print(f"qkv train: {trainer.config.model} ({n / 1e6:.2f}M parameters), steps "
+        print(f"qkv train: {trainer.config.model} ({n / 1e6:.2f}M parameters) on "
+              f"{trainer.device}, steps "
               f"{trainer.step} -> {trainer.config.steps}, run directory {out}")
     try:
         result = trainer.run()

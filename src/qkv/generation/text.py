@@ -55,8 +55,11 @@ def translate(model: nn.Module, tokenizer: Any, sources: list[str], *,
         if limit is not None and width > limit:
             raise ValueError(f"an input of {width} tokens (with eos) is longer than the model's "
                              f"max_len={limit}")
-        src = torch.tensor([r + [tokenizer.pad_id] * (width - len(r)) for r in rows])
-        keep = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+        device = next(model.parameters()).device
+        src = torch.tensor([r + [tokenizer.pad_id] * (width - len(r)) for r in rows],
+                           device=device)
+        keep = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows],
+                            device=device)
         ids = generate(model, src, attention_mask=keep, max_new_tokens=budget,
                        eos_token_id=[tokenizer.eos_id, *stop_tokens],
                        pad_token_id=tokenizer.pad_id,
@@ -104,8 +107,11 @@ def complete(model: nn.Module, tokenizer: Any, prompts: list[str], *, framed: bo
                              f"leaves room for {room} in the model's max_len="
                              f"{model.config.max_len}")
         budget = max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, room)
-        ids = torch.tensor([[tokenizer.pad_id] * (width - len(r)) + r for r in rows])
-        keep = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        device = next(model.parameters()).device
+        ids = torch.tensor([[tokenizer.pad_id] * (width - len(r)) + r for r in rows],
+                           device=device)
+        keep = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows],
+                            device=device)
         res = generate(model, ids, attention_mask=keep, max_new_tokens=budget,
                        eos_token_id=[tokenizer.eos_id, *stop_tokens],
                        pad_token_id=tokenizer.pad_id,

@@ -171,7 +171,7 @@ class PretrainedMixin:
         """Write config.json and model.safetensors into ``directory`` (created if needed)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()
+        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()
                  if k not in self.tied_keys}
         atomic_write(directory / WEIGHTS_NAME,
                      lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))

@@ -57,7 +57,7 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     for idx, entry in sd["state"].items():
         for name, value in entry.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"optimizer.{idx}.{name}"] = value.detach().contiguous().clone()
+                tensors[f"optimizer.{idx}.{name}"] = value.detach().cpu().contiguous().clone()
             else:
                 scalars.setdefault(str(idx), {})[name] = value
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars,
@@ -85,6 +85,9 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model: nn.Module, tokenizer: 
     _write_json(tmp / "run.json", run_info)
     tensors, opt_json = _optimizer_tensors(optimizer)
     tensors["rng.torch"] = torch.get_rng_state()
+    device = next(model.parameters()).device
+    if device.type == "cuda":  # dropout on CUDA draws from the device's generator
+        tensors["rng.cuda"] = torch.cuda.get_rng_state(device)
     atomic_write(tmp / STATE_TENSORS, lambda path: save_file(tensors, path))
     _write_json(tmp / STATE_JSON, {"step": step, "data_position": data_position,
                                    "optimizer": opt_json})
@@ -161,8 +164,9 @@ def trained_on_pairs(info: dict[str, Any]) -> bool:
 
 def load_trainer_state(checkpoint: str | os.PathLike,
                        optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Restore ``optimizer`` and the torch RNG from a checkpoint; returns the JSON state
-    (``step``, ``data_position``).
+    """Restore ``optimizer`` and the torch RNG (the CPU one, and the CUDA one of the
+    optimizer's device when the checkpoint was written on CUDA) from a checkpoint; returns
+    the JSON state (``step``, ``data_position``).
 
     Raises:
         CheckpointError: missing or inconsistent trainer state (e.g. a different model).
@@ -189,4 +193,7 @@ def load_trainer_state(checkpoint: str | os.PathLike,
         raise CheckpointError(f"{checkpoint}: the optimizer state does not fit this model: "
                               f"{exc}") from exc
     torch.set_rng_state(rng)
+    device = optimizer.param_groups[0]["params"][0].device
+    if "rng.cuda" in tensors and device.type == "cuda":
+        torch.cuda.set_rng_state(tensors["rng.cuda"], device)
     return {"step": step, "data_position": int(meta.get("data_position", 0))}

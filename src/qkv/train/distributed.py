@@ -1,6 +1,6 @@
 """Data parallelism under ``torchrun``: one process per rank, the global batch split across
-ranks, gradients averaged by ``DistributedDataParallel`` (gloo for CPU tensors, nccl for
-CUDA ones; the ``Trainer`` runs on the CPU for now).
+ranks, gradients averaged by ``DistributedDataParallel`` (gloo on CPU, nccl on CUDA: rank r
+uses ``cuda:LOCAL_RANK``).
 
 Single-process runs (no ``WORLD_SIZE`` in the environment) use none of this.
 """
@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["World", "all_reduce_sum", "barrier", "setup_world", "teardown_world"]
+__all__ = ["World", "all_reduce_sum", "barrier", "resolve_device", "setup_world",
+           "teardown_world"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,31 @@ class World:
     def is_main(self) -> bool:
         """Rank 0: the process that prints, evaluates and writes files."""
         return self.rank == 0
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The training device: "cpu", "cuda", "cuda:N", or None / "auto" (CUDA when available).
+    Under torchrun a bare "cuda" means ``cuda:LOCAL_RANK``.
+
+    Raises:
+        ValueError: an unknown device string, or CUDA asked for where there is none.
+    """
+    if device is None or device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}"
+                         ) from exc
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r}: CUDA is not available here")
+        if device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    elif device.type != "cpu":
+        raise ValueError(f"device must be a CPU or CUDA device, got {str(device)!r}")
+    return device
 
 
 def setup_world(device: torch.device) -> World:

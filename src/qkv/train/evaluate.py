@@ -32,6 +32,7 @@ def evaluate(kind: str, model: nn.Module, tokenizer: Any, data: PairData | TextD
     label smoothing), plus ``exact_match`` (pairs; Transformer/GPT) or ``masked_accuracy``
     (BERT)."""
     was_training = model.training
+    device = next(model.parameters()).device
     model.eval()
     try:
         with torch.no_grad():
@@ -39,7 +40,8 @@ def evaluate(kind: str, model: nn.Module, tokenizer: Any, data: PairData | TextD
             total, n, correct = 0.0, 0, 0
             step = DECODE_BATCH
             for i in range(0, len(items), step):
-                batch = make_batch(kind, items[i:i + step], tokenizer, step=-1 - i)
+                batch = {k: t.to(device) for k, t in make_batch(
+                    kind, items[i:i + step], tokenizer, step=-1 - i).items()}
                 loss, k, logits, target = token_loss(kind, model, batch)
                 total, n = total + loss.item(), n + int(k)
                 if kind == "bert-mlm":

@@ -23,7 +23,7 @@ from ..models.hub import CheckpointError, atomic_write, read_json
 from .checkpoint import find_checkpoint, load_run, load_trainer_state, save_checkpoint
 from .config import TrainConfig
 from .data import make_batch
-from .distributed import all_reduce_sum, barrier, setup_world, teardown_world
+from .distributed import all_reduce_sum, barrier, resolve_device, setup_world, teardown_world
 from .evaluate import evaluate
 from .loss import token_loss
 from .schedules import lr_multiplier
@@ -89,12 +89,14 @@ class Trainer:
         out_dir: the run directory (created; must not already hold a run unless resuming).
         progress: show a progress bar (rank 0 only).
         log: a function taking one line of text (rank 0 only; default: print).
+        device: "cpu" (default), "cuda", "cuda:N" or "auto" (CUDA when available); under
+            torchrun "cuda" means each rank's ``cuda:LOCAL_RANK`` and the backend is nccl.
 
     Build with ``Trainer(config, out)`` for a new run or ``Trainer.resume(out, steps=M)``.
     ``run()`` trains up to ``config.steps`` and returns the final evaluation.
 
-    Training runs on the CPU (fp32), one process or several under torchrun (gloo); a device
-    option for CUDA/nccl is not there yet.
+    Training is fp32, on one device per process; checkpoints are device-independent (the
+    CPU RNG state, and the CUDA one when training on CUDA, are saved with them).
 
     The run owns torch's global RNG (what dropout draws from): a new run seeds it with
     ``config.seed``, a resumed one restores the checkpoint's state, and neither restores the
@@ -103,10 +105,11 @@ class Trainer:
     """
 
     def __init__(self, config: TrainConfig, out_dir: str | Path, *, progress: bool = True,
-                 log: Any = print, _resume: bool = False) -> None:
+                 log: Any = print, device: str | torch.device | None = "cpu",
+                 _resume: bool = False) -> None:
         self.config, self.out = config, Path(out_dir)
         self.progress, self.log = progress, log
-        self.device = torch.device("cpu")
+        self.device = resolve_device(device)
         self.world = setup_world(self.device)
         try:
             self._setup(config, _resume)
@@ -148,7 +151,8 @@ class Trainer:
         self.model.to(self.device).train()
         self.objective: nn.Module = _Objective(config.model, self.model, config.label_smoothing)
         if self.world.size > 1:
-            self.objective = nn.parallel.DistributedDataParallel(self.objective)
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.objective = nn.parallel.DistributedDataParallel(self.objective, device_ids=ids)
         self.optimizer = _optimizer(self.model, config)
         if _resume:
             state = load_trainer_state(ckpt, self.optimizer)
@@ -168,7 +172,7 @@ class Trainer:
 
     @classmethod
     def resume(cls, out_dir: str | Path, *, steps: int | None = None, progress: bool = True,
-               log: Any = print) -> Trainer:
+               log: Any = print, device: str | torch.device | None = "cpu") -> Trainer:
         """Continue the run in ``out_dir`` from its checkpoint, up to ``steps`` optimizer steps
         in total (default: the run's own ``steps``)."""
         out_dir = Path(out_dir)
@@ -183,7 +187,7 @@ class Trainer:
                     f"total steps; later learning rates differ from those of a run started "
                     f"with --steps {steps}")
             config = TrainConfig.from_dict({**config.to_dict(), "steps": steps})
-        return cls(config, out_dir, progress=progress, log=log, _resume=True)
+        return cls(config, out_dir, progress=progress, log=log, device=device, _resume=True)
 
     # --- one step -----------------------------------------------------------------------------
     def _batch(self, step: int) -> dict[str, Tensor]:
@@ -193,10 +197,9 @@ class Trainer:
         c, w = self.config, self.world
         batch = make_batch(c.model, self.data.train(step * c.batch_size, c.batch_size),
                            self.tokenizer, step=step, seed=c.seed)
-        if w.size == 1:
-            return batch
         per_rank = c.batch_size // w.size
-        return {k: t[w.rank * per_rank:(w.rank + 1) * per_rank] for k, t in batch.items()}
+        rows = slice(w.rank * per_rank, (w.rank + 1) * per_rank)
+        return {k: t[rows].to(self.device) for k, t in batch.items()}
 
     def _lr(self, step: int) -> float:
         c = self.config
