@@ -14,7 +14,7 @@ import pytest
 
 ARGS = ["train", "--task", "copy", "--set", "dim=32", "--set", "num_heads=2", "--set",
         "dropout=0.0", "--steps", "4", "--batch-size", "8", "--lr", "1e-2", "--warmup", "1",
-        "--eval-every", "4", "--eval-examples", "8", "--no-progress"]
+        "--eval-every", "4", "--eval-examples", "8", "--no-progress", "--device", "cpu"]
 MODELS = {"transformer": ["--preset", "transformer-tiny"],
           # BERT's MLM corruption is random: ranks must corrupt their rows of the global batch
           # exactly as one process would
