@@ -35,10 +35,8 @@ _flash_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def window_refusal(q: Tensor, mask, bias, dropout_p: float) -> str | None:
-    """Why the window fast path cannot serve (None: it can)."""
-    if not isinstance(mask, SlidingWindow):
-        return "not a plain SlidingWindow mask"
+def _kernel_refusal(q: Tensor, bias, dropout_p: float) -> str | None:
+    """What torch's CPU flash kernel paths of this file cannot take (None: nothing)."""
     if bias is not None:
         return "a bias"
     if dropout_p > 0:
@@ -46,6 +44,13 @@ def window_refusal(q: Tensor, mask, bias, dropout_p: float) -> str | None:
     if q.device.type != "cpu":
         return "uses torch's CPU flash kernel"
     return None
+
+
+def window_refusal(q: Tensor, mask, bias, dropout_p: float) -> str | None:
+    """Why the window fast path cannot serve (None: it can)."""
+    if not isinstance(mask, SlidingWindow):
+        return "not a plain SlidingWindow mask"
+    return _kernel_refusal(q, bias, dropout_p)
 
 
 def _blocks(n: int, s: int, window: SlidingWindow, rows: int):
@@ -125,13 +130,7 @@ def block_sparse_refusal(q: Tensor, mask, bias, dropout_p: float) -> str | None:
     ``BigBird`` / ``BlockSparse`` / ``Longformer`` mask, alone or ``& Padding(...)``."""
     if _split_padding(mask) is None:
         return "not a BigBird / BlockSparse / Longformer mask, alone or & Padding"
-    if bias is not None:
-        return "a bias"
-    if dropout_p > 0:
-        return "dropout"
-    if q.device.type != "cpu":
-        return "uses torch's CPU flash kernel"
-    return None
+    return _kernel_refusal(q, bias, dropout_p)
 
 
 def _split_padding(mask) -> tuple | None:
