@@ -14,7 +14,6 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 EXAMPLES = """examples:
@@ -69,17 +68,15 @@ def _max_len(model: nn.Module) -> int | None:
 
 def _generate(model: nn.Module, ids: list[int], tok: Any, budget: int, *,
               encoder_decoder: bool) -> list[int]:
-    """Greedy decoding with ``qkv.generate`` in eval mode, cut before the first eos:
-    bos + output (encoder-decoder, ``ids`` the source) or ``ids`` + continuation (GPT)."""
-    from ..generation import generate
+    """Greedy decoding, cut before the first eos: bos + output (encoder-decoder, ``ids`` the
+    framed source) or ``ids`` + continuation (GPT)."""
+    from ..generation import complete_ids, translate_ids
 
-    model.eval()
-    extra = {"decoder_start_token_id": tok.bos_id} if encoder_decoder else {}
-    row = generate(model, torch.tensor([ids]), max_new_tokens=budget,
-                   eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, **extra)[0].tolist()
-    start = 1 if encoder_decoder else len(ids)
-    new = row[start:]
-    return row[:start] + (new[:new.index(tok.eos_id)] if tok.eos_id in new else new)
+    if encoder_decoder:
+        return [tok.bos_id, *translate_ids(model, [ids], pad_id=tok.pad_id, bos_id=tok.bos_id,
+                                           eos_id=tok.eos_id, max_new_tokens=budget)[0]]
+    return ids + complete_ids(model, [ids], pad_id=tok.pad_id, eos_id=tok.eos_id,
+                              max_new_tokens=budget)[0]
 
 
 def _frame(model: nn.Module, tok: Any, info: dict[str, Any], text: str, target: str | None,

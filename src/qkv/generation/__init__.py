@@ -11,6 +11,7 @@ out, framed as ``qkv train`` trains).
 from .api import generate
 from .search import filter_logits
 from .steppers import reorder_cache
-from .text import complete, translate
+from .text import complete, complete_ids, translate, translate_ids
 
-__all__ = ["complete", "filter_logits", "generate", "reorder_cache", "translate"]
+__all__ = ["complete", "complete_ids", "filter_logits", "generate", "reorder_cache",
+           "translate", "translate_ids"]

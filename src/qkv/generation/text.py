@@ -5,6 +5,7 @@ tokenizer, framed the way ``qkv train`` trains (``qkv.train.data``):
   before eos.
 - ``complete``: a GPT trained on pairs reads bos + prompt + eos and answers up to eos
   (``framed=True``); a GPT trained on plain text continues the prompt (``framed=False``).
+- ``translate_ids`` / ``complete_ids``: the same on one batch of already framed token ids.
 
 Batches of ``batch_size`` texts; decoding options are those of ``qkv.generate``.
 """
@@ -19,13 +20,44 @@ from torch import nn
 
 from .api import generate
 
-__all__ = ["complete", "translate"]
+__all__ = ["complete", "complete_ids", "translate", "translate_ids"]
 
 DEFAULT_MAX_NEW_TOKENS = 100
 
 
 def _until(ids: list[int], eos: int) -> list[int]:
     return ids[:ids.index(eos)] if eos in ids else ids
+
+
+def translate_ids(model: nn.Module, rows: list[list[int]], *, pad_id: int, bos_id: int,
+                  eos_id: int, max_new_tokens: int, stop_tokens: Sequence[int] = (),
+                  **decoding: Any) -> list[list[int]]:
+    """One batch of an encoder-decoder's outputs for framed source ids (each ending in eos):
+    the new ids of each row, cut before its first eos (the start token left out).
+    ``decoding``: ``qkv.generate`` options."""
+    width = max(len(r) for r in rows)
+    device = next(model.parameters()).device
+    src = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows], device=device)  # (B, S)
+    keep = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)
+    ids = generate(model, src, attention_mask=keep, max_new_tokens=max_new_tokens,
+                   eos_token_id=[eos_id, *stop_tokens], pad_token_id=pad_id,
+                   decoder_start_token_id=bos_id, **decoding)  # (B, 1 + T)
+    return [_until(row[1:], eos_id) for row in ids.tolist()]
+
+
+def complete_ids(model: nn.Module, rows: list[list[int]], *, pad_id: int, eos_id: int,
+                 max_new_tokens: int, stop_tokens: Sequence[int] = (),
+                 **decoding: Any) -> list[list[int]]:
+    """One batch of a decoder's continuations of prompt ids (left-padded here): the new ids
+    of each row, cut before its first eos. ``decoding``: ``qkv.generate`` options."""
+    width = max(len(r) for r in rows)
+    device = next(model.parameters()).device
+    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)  # (B, N)
+    keep = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    res = generate(model, ids, attention_mask=keep, max_new_tokens=max_new_tokens,
+                   eos_token_id=[eos_id, *stop_tokens], pad_token_id=pad_id,
+                   **decoding)  # (B, N + T)
+    return [_until(row[width:], eos_id) for row in res.tolist()]
 
 
 def translate(model: nn.Module, tokenizer: Any, sources: list[str], *,
@@ -55,16 +87,10 @@ def translate(model: nn.Module, tokenizer: Any, sources: list[str], *,
         if limit is not None and width > limit:
             raise ValueError(f"an input of {width} tokens (with eos) is longer than the model's "
                              f"max_len={limit}")
-        device = next(model.parameters()).device
-        src = torch.tensor([r + [tokenizer.pad_id] * (width - len(r)) for r in rows],
-                           device=device)
-        keep = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows],
-                            device=device)
-        ids = generate(model, src, attention_mask=keep, max_new_tokens=budget,
-                       eos_token_id=[tokenizer.eos_id, *stop_tokens],
-                       pad_token_id=tokenizer.pad_id,
-                       decoder_start_token_id=tokenizer.bos_id, **decoding)
-        out += [tokenizer.decode(_until(row[1:], tokenizer.eos_id)) for row in ids.tolist()]
+        new = translate_ids(model, rows, pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id,
+                            eos_id=tokenizer.eos_id, max_new_tokens=budget,
+                            stop_tokens=stop_tokens, **decoding)
+        out += [tokenizer.decode(ids) for ids in new]
     return out
 
 
@@ -107,16 +133,8 @@ def complete(model: nn.Module, tokenizer: Any, prompts: list[str], *, framed: bo
                              f"leaves room for {room} in the model's max_len="
                              f"{model.config.max_len}")
         budget = max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, room)
-        device = next(model.parameters()).device
-        ids = torch.tensor([[tokenizer.pad_id] * (width - len(r)) + r for r in rows],
-                           device=device)
-        keep = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows],
-                            device=device)
-        res = generate(model, ids, attention_mask=keep, max_new_tokens=budget,
-                       eos_token_id=[tokenizer.eos_id, *stop_tokens],
-                       pad_token_id=tokenizer.pad_id,
-                       **decoding)
-        for row, prompt in zip(res.tolist(), rows, strict=True):
-            new = _until(row[width:], tokenizer.eos_id)
-            out.append(tokenizer.decode(new if framed else prompt + new))
+        new = complete_ids(model, rows, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
+                           max_new_tokens=budget, stop_tokens=stop_tokens, **decoding)
+        out += [tokenizer.decode(ids if framed else prompt + ids)
+                for ids, prompt in zip(new, rows, strict=True)]
     return out
