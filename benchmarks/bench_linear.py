@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 import torch
@@ -31,6 +30,7 @@ from benchmarks._harness import (
     print_table,
     side_by_side,
 )
+from qkv.bench import fit_exponent
 from qkv.ops.linear import linear_attention
 
 B, H, D = 1, 8, 64
@@ -73,14 +73,6 @@ def measure(case: str, n: int, chunk: int, repeat: int) -> dict:
         peak = peak_growth_mib(call)  # also the warm-up
         seconds = median_time(call, repeat=repeat, warmup=0)
     return {"seconds": seconds, "peak_mib": peak}
-
-
-def fitted_exponent(ns: list[int], secs: list[float]) -> float:
-    """Slope of the least-squares line through (log N, log seconds)."""
-    xs, ys = [math.log(n) for n in ns], [math.log(s) for s in secs]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    return (sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
-            / sum((x - mx) ** 2 for x in xs))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -128,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
                                       str(n), "--chunk", str(args.chunk), "--repeats",
                                       str(args.repeats)) for n in ns]
     times = [r["seconds"] for r in runs]
-    slope = fitted_exponent(ns, times)
+    slope = fit_exponent(ns, times)
     rows = [[str(n), f"{r['seconds']:.3f}", f"{r['seconds'] / n * 1e6:.2f}",
              f"{r['peak_mib']:.0f}"] for n, r in zip(ns, runs, strict=True)]
     print_table(f"causal linear attention (elu, C={args.chunk}) vs N, fresh process per N; "
