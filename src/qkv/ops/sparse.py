@@ -46,6 +46,15 @@ def _kernel_refusal(q: Tensor, bias, dropout_p: float) -> str | None:
     return None
 
 
+def _backward_buffers(q: Tensor, k: Tensor, v: Tensor, d_out: Tensor, cdt: torch.dtype
+                      ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """The kernel paths' backward start: (q, k, v, dOut) in the compute dtype, and zeroed
+    (dQ, dK, dV) accumulators of q/k/v's shapes in it."""
+    inputs = (q.to(cdt), k.to(cdt), v.to(cdt), d_out.to(cdt))
+    grads = tuple(torch.zeros(t.shape, dtype=cdt, device=q.device) for t in (q, k, v))
+    return inputs, grads
+
+
 def window_refusal(q: Tensor, mask, bias, dropout_p: float) -> str | None:
     """Why the window fast path cannot serve (None: it can)."""
     if not isinstance(mask, SlidingWindow):
@@ -99,10 +108,7 @@ class _WindowAttention(torch.autograd.Function):
     def backward(ctx, d_out):
         q, k, v, out, lse = ctx.saved_tensors
         cdt = out.dtype
-        qc, kc, vc, dc = q.to(cdt), k.to(cdt), v.to(cdt), d_out.to(cdt)
-        dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
-        dk = torch.zeros(k.shape, dtype=cdt, device=q.device)
-        dv = torch.zeros(v.shape, dtype=cdt, device=q.device)
+        (qc, kc, vc, dc), (dq, dk, dv) = _backward_buffers(q, k, v, d_out, cdt)
         for t0, t1, lo, hi, add in ctx.blocks:
             gq, gk, gv = _flash_bwd(dc[:, :, t0:t1].contiguous(), qc[:, :, t0:t1],
                                     kc[:, :, lo:hi], vc[:, :, lo:hi],
@@ -381,10 +387,7 @@ class _BlockSparseAttention(torch.autograd.Function):
     def backward(ctx, d_out, _d_lse):
         q, k, v, out, lse = ctx.saved_tensors
         cdt = out.dtype
-        qc, kc, vc, dc = q.to(cdt), k.to(cdt), v.to(cdt), d_out.to(cdt)
-        dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
-        dk = torch.zeros(k.shape, dtype=cdt, device=q.device)
-        dv = torch.zeros(v.shape, dtype=cdt, device=q.device)
+        (qc, kc, vc, dc), (dq, dk, dv) = _backward_buffers(q, k, v, d_out, cdt)
         take = _Gather()
         for q_rows, keys, keep, _ in ctx.groups:
             gq, gk, gv = _flash_bwd(dc[:, :, q_rows].contiguous(), qc[:, :, q_rows],
