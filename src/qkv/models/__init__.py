@@ -34,6 +34,11 @@ def from_hf(directory: str | os.PathLike, *, allow_pickle: bool = False):
     ``pytorch_model.bin`` (a pickle) is refused unless ``allow_pickle=True``, and even then
     read only with ``torch.load(weights_only=True)``. The tokenizer, if any, comes from
     ``load_tokenizer(directory)``.
+
+    Every config.json field is used, ignored (it cannot change the outputs) or checked, as
+    ``qkv.models.hf_config.GPT2_FIELDS`` / ``BERT_FIELDS`` list: an option qkv does not
+    compute (BERT ``is_decoder: true``, cross-attention, relative positions...) raises
+    ``CheckpointError`` naming the field and its value; an unknown field warns.
     """
     directory = Path(directory)
     model_type = read_json(directory / "config.json").get("model_type")

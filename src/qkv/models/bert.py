@@ -44,6 +44,7 @@ from ..modules.layers import EncoderLayer
 from ..modules.norms import LayerNorm
 from ..modules.positions import Learned
 from ..ops import attention
+from .hf_bert import config_from_hf, map_hf_state, normalise_hf_state
 from .hub import (
     CONFIG_NAME,
     CheckpointError,
@@ -418,21 +419,32 @@ class BERT(PretrainedMixin, nn.Module):
         modelled) and a decoder weight/bias equal to the tied word embeddings /
         ``cls.predictions.bias``. Old ``LayerNorm.gamma/beta`` names are read as weight/bias.
 
+        Every config.json field is classified in ``qkv.models.hf_config.BERT_FIELDS``
+        (used, ignored as unable to change the outputs, or checked); a field it does not
+        know loads with a warning.
+
         Raises:
-            CheckpointError naming missing, unknown or mis-shaped HuggingFace keys, an
-            unsupported config (relative position embeddings, an untied MLM decoder), or a
-            pickle-only directory without ``allow_pickle=True``.
+            CheckpointError naming missing, unknown or mis-shaped HuggingFace keys, each
+            config option qkv does not compute with its value (is_decoder, cross-attention,
+            relative position embeddings, an unknown activation, an untied MLM decoder...),
+            or a pickle-only directory without ``allow_pickle=True``.
         """
         directory = Path(directory)
         hf = read_json(directory / CONFIG_NAME)
         source = str(directory)
+        fields = config_from_hf(hf, source)  # refuses unsupported options before reading
         state = load_state_dict_file(directory, allow_pickle=allow_pickle)
-        state = _normalise_hf_state(state, source)
-        config = _config_from_hf(hf, source, with_pooler="pooler.dense.weight" in state,
-                                 with_mlm_head=any(k.startswith("cls.predictions.")
-                                                   for k in state))
+        state = normalise_hf_state(state, source,
+                                   tied=hf.get("tie_word_embeddings", True) is not False)
+        try:
+            config = BERTConfig(**fields, with_pooler="pooler.dense.weight" in state,
+                                with_mlm_head=any(k.startswith("cls.predictions.")
+                                                  for k in state))
+        except (TypeError, ValueError) as err:
+            raise CheckpointError(f"{source}: config.json is not a valid BERT config: "
+                                  f"{err}") from err
         model = cls(config)
-        check_and_load(model, _map_hf_state(model, state, source), source)
+        check_and_load(model, map_hf_state(model, state, source), source)
         return model.eval()  # as transformers: a loaded model starts in eval mode
 
 
@@ -464,106 +476,6 @@ _INPLACE_ACTIVATIONS = {
     "relu": torch.relu_,
     "silu": lambda t: F.silu(t, inplace=True),
 }
-
-# --- HuggingFace conversion helpers ------------------------------------------------------
-_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
-                   "relu": "relu", "silu": "silu", "swish": "silu"}
-
-
-def _config_from_hf(hf: dict, source: str, *, with_pooler: bool,
-                    with_mlm_head: bool) -> BERTConfig:
-    if hf.get("model_type") != "bert":
-        raise CheckpointError(f"{source}: config.json model_type {hf.get('model_type')!r}; "
-                              f"BERT.from_hf reads 'bert' checkpoints")
-    pos = hf.get("position_embedding_type", "absolute")
-    if pos != "absolute":
-        raise CheckpointError(f"{source}: position_embedding_type={pos!r} is not supported "
-                              f"(only 'absolute')")
-    act = hf.get("hidden_act", "gelu")
-    if act not in _HF_ACTIVATIONS:
-        raise CheckpointError(f"{source}: hidden_act={act!r} is not supported; known: "
-                              f"{sorted(_HF_ACTIVATIONS)}")
-    try:
-        return BERTConfig(
-            vocab_size=hf["vocab_size"], max_len=hf["max_position_embeddings"],
-            type_vocab_size=hf.get("type_vocab_size", 2), dim=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
-            ffn_hidden=hf["intermediate_size"], activation=_HF_ACTIVATIONS[act],
-            norm_eps=hf.get("layer_norm_eps", 1e-12),
-            dropout=hf.get("hidden_dropout_prob", 0.1),
-            attn_dropout=hf.get("attention_probs_dropout_prob", 0.1),
-            pad_token_id=hf.get("pad_token_id") or 0,
-            with_pooler=with_pooler, with_mlm_head=with_mlm_head)
-    except KeyError as err:
-        raise CheckpointError(f"{source}: config.json lacks {err.args[0]!r}") from err
-    except ValueError as err:
-        raise CheckpointError(f"{source}: config.json is not a valid BERT config: {err}") \
-            from err
-
-
-def _normalise_hf_state(state: dict[str, Tensor], source: str) -> dict[str, Tensor]:
-    """Strip "bert.", rename gamma/beta, drop the keys we knowingly ignore."""
-    out: dict[str, Tensor] = {}
-    for key, t in state.items():
-        k = key.removeprefix("bert.")
-        if k.endswith(".gamma"):
-            k = k[:-len("gamma")] + "weight"
-        elif k.endswith(".beta"):
-            k = k[:-len("beta")] + "bias"
-        if k in out:
-            raise CheckpointError(f"{source}: key {key!r} appears twice (with and without "
-                                  f"the 'bert.' prefix, or as gamma/beta and weight/bias)")
-        out[k] = t
-    out.pop("embeddings.position_ids", None)
-    for k in [k for k in out if k.startswith("cls.seq_relationship.")]:
-        del out[k]  # next-sentence prediction head: not part of this model
-    dec_w = out.pop("cls.predictions.decoder.weight", None)
-    if dec_w is not None:
-        word = out.get("embeddings.word_embeddings.weight")
-        if word is None or word.shape != dec_w.shape or not torch.equal(word, dec_w):
-            raise CheckpointError(f"{source}: cls.predictions.decoder.weight differs from the "
-                                  f"word embeddings; only a tied MLM decoder is supported")
-    dec_b = out.pop("cls.predictions.decoder.bias", None)
-    if dec_b is not None:
-        bias = out.setdefault("cls.predictions.bias", dec_b)
-        if bias.shape != dec_b.shape or not torch.equal(bias, dec_b):
-            raise CheckpointError(f"{source}: cls.predictions.decoder.bias differs from "
-                                  f"cls.predictions.bias")
-    return out
-
-
-def _map_hf_state(model: BERT, state: dict[str, Tensor], source: str) -> dict[str, Tensor]:
-    """HF keys -> this model's keys, fusing q/k/v; errors in HF names."""
-    own = model.state_dict()
-    mapped: dict[str, Tensor] = {}
-    used: set[str] = set()
-    missing: list[str] = []
-    shapes: list[str] = []
-    for key, hf in model.hf_key_map().items():
-        names = hf if isinstance(hf, tuple) else (hf,)
-        want = own[key].shape
-        part = (want[0] // len(names), *want[1:])  # q/k/v each (C, ...) of (3C, ...)
-        absent = [n for n in names if n not in state]
-        missing.extend(absent)
-        bad = [f"{n}: checkpoint {tuple(state[n].shape)} vs expected {tuple(part)}"
-               for n in names if n in state and state[n].shape != part]
-        shapes.extend(bad)
-        used.update(n for n in names if n in state)
-        if not absent and not bad:
-            parts = [state[n] for n in names]
-            mapped[key] = parts[0] if len(parts) == 1 else torch.cat(parts)  # rows q, k, v
-    unknown = sorted(set(state) - used)
-    if missing or unknown or shapes:
-        msg = []
-        if missing:
-            msg.append(f"missing keys {missing[:10]}{' ...' if len(missing) > 10 else ''}")
-        if unknown:
-            msg.append(f"unknown keys {unknown[:10]}{' ...' if len(unknown) > 10 else ''}")
-        if shapes:
-            msg.append("shape mismatches " + "; ".join(shapes[:10]))
-        raise CheckpointError(f"{source}: HuggingFace BERT checkpoint does not match its "
-                              f"config: " + "; ".join(msg))
-    return mapped
 
 
 def key_padding_mask(keep: Tensor) -> Tensor:

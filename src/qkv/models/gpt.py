@@ -525,7 +525,11 @@ class GPT(PretrainedMixin, nn.Module):
         "gpt2" and model.safetensors; a pytorch_model.bin only with ``allow_pickle=True``,
         read with ``torch.load(weights_only=True)``). Returned in eval mode, like
         transformers. Mismatched keys or shapes raise ``CheckpointError`` and load nothing.
-        ``kwargs`` (device, dtype) go to the constructor."""
+        Every config.json field is classified in ``qkv.models.hf_config.GPT2_FIELDS``: an
+        option qkv does not compute (cross-attention, unscaled or per-layer-scaled
+        attention, an unknown activation...) raises ``CheckpointError`` naming it; a field
+        it does not know loads with a warning. ``kwargs`` (device, dtype) go to the
+        constructor."""
         from .hf_gpt2 import load_hf_gpt2
 
         return load_hf_gpt2(cls, Path(directory), allow_pickle=allow_pickle, **kwargs)

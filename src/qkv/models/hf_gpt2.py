@@ -18,15 +18,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
+from .hf_config import GPT2_FIELDS, HF_ACTIVATIONS, audit_hf_config
 from .hub import CheckpointError, check_and_load, load_state_dict_file, read_json
 
 __all__ = ["config_from_hf", "convert_hf_state_dict", "load_hf_gpt2"]
-
-_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
-                "gelu_fast": "gelu_tanh", "gelu": "gelu", "relu": "relu", "silu": "silu",
-                "swish": "silu"}
 
 # HF layer suffix -> (qkv suffix, is a Conv1D weight to transpose)
 _LAYER_MAP = {
@@ -46,43 +44,53 @@ _LAYER_KEY = re.compile(r"h\.(\d+)\.(.+)")
 _IGNORED = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
 
 
-def config_from_hf(data: dict[str, Any]):
+#: transformers' GPT2Config.attribute_map: alias -> canonical field
+_ALIASES = {"hidden_size": "n_embd", "max_position_embeddings": "n_positions",
+            "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}
+#: GPT2Config's defaults for the fields a config.json may leave out
+_DEFAULTS = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12,
+             "n_head": 12, "n_inner": None, "activation_function": "gelu_new",
+             "resid_pdrop": 0.1, "attn_pdrop": 0.1, "layer_norm_epsilon": 1e-5,
+             "tie_word_embeddings": True}
+
+
+def config_from_hf(data: dict[str, Any], source: str = "HF GPT-2 config"):
     """A ``GPTConfig`` from the dict of an HF GPT-2 config.json (model_type "gpt2").
 
-    Maps n_embd, n_layer, n_head, n_positions, vocab_size, n_inner (None: 4·C),
-    layer_norm_epsilon, activation_function ("gelu_new" -> "gelu_tanh"), resid_pdrop
-    (-> dropout), attn_pdrop, tie_word_embeddings. Refuses (CheckpointError) options qkv's
-    model does not compute: cross-attention, unscaled or per-layer-scaled attention.
+    Every field is classified in ``qkv.models.hf_config.GPT2_FIELDS`` (``audit_hf_config``):
+    maps n_embd, n_layer, n_head, n_positions (or their aliases hidden_size,
+    num_hidden_layers, num_attention_heads, max_position_embeddings), vocab_size, n_inner
+    (None: 4·C), layer_norm_epsilon, activation_function ("gelu_new" -> "gelu_tanh"),
+    resid_pdrop (-> dropout), attn_pdrop, tie_word_embeddings; a field left out takes
+    GPT2Config's default. Raises ``CheckpointError`` naming each option qkv's model does not
+    compute (cross-attention, unscaled or per-layer-scaled attention, an unknown
+    activation...); warns for fields it does not know.
     """
     from .gpt import GPTConfig
 
     if data.get("model_type") != "gpt2":
-        raise CheckpointError(f"not an HF GPT-2 config: model_type {data.get('model_type')!r} "
-                              f"(expected 'gpt2')")
-    act = data.get("activation_function", "gelu_new")
-    if act not in _ACTIVATIONS:
-        raise CheckpointError(f"HF GPT-2 config: activation_function {act!r} is not supported "
-                              f"(known: {sorted(_ACTIVATIONS)})")
-    if data.get("add_cross_attention", False):
-        raise CheckpointError("HF GPT-2 config: add_cross_attention=True is not supported")
-    if not data.get("scale_attn_weights", True):
-        raise CheckpointError("HF GPT-2 config: scale_attn_weights=False is not supported")
-    if data.get("scale_attn_by_inverse_layer_idx", False):
-        raise CheckpointError("HF GPT-2 config: scale_attn_by_inverse_layer_idx=True is not "
-                              "supported")
+        raise CheckpointError(f"{source}: not an HF GPT-2 config: model_type "
+                              f"{data.get('model_type')!r} (expected 'gpt2')")
+    audit_hf_config(data, GPT2_FIELDS, source)
+    hf = dict(data)
+    for alias, name in _ALIASES.items():
+        if alias in hf:
+            if name in hf and hf[name] != hf[alias]:
+                raise CheckpointError(f"{source}: {alias}={hf[alias]!r} and {name}="
+                                      f"{hf[name]!r} disagree (transformers reads them as "
+                                      f"one field)")
+            hf[name] = hf.pop(alias)
+    hf = {**_DEFAULTS, **hf}
     try:
         return GPTConfig(
-            vocab_size=data["vocab_size"], max_len=data["n_positions"], dim=data["n_embd"],
-            num_layers=data["n_layer"], num_heads=data["n_head"],
-            ffn_hidden=data.get("n_inner"), activation=_ACTIVATIONS[act],
-            norm_eps=float(data.get("layer_norm_epsilon", 1e-5)), positions="learned",
-            dropout=float(data.get("resid_pdrop", 0.0)),
-            attn_dropout=float(data.get("attn_pdrop", 0.0)), bias=True,
-            tie_embeddings=bool(data.get("tie_word_embeddings", True)))
-    except KeyError as err:
-        raise CheckpointError(f"HF GPT-2 config: missing field {err}") from err
-    except ValueError as err:
-        raise CheckpointError(f"HF GPT-2 config: {err}") from err
+            vocab_size=hf["vocab_size"], max_len=hf["n_positions"], dim=hf["n_embd"],
+            num_layers=hf["n_layer"], num_heads=hf["n_head"], ffn_hidden=hf["n_inner"],
+            activation=HF_ACTIVATIONS[hf["activation_function"]],
+            norm_eps=float(hf["layer_norm_epsilon"]), positions="learned",
+            dropout=float(hf["resid_pdrop"]), attn_dropout=float(hf["attn_pdrop"]),
+            bias=True, tie_embeddings=bool(hf["tie_word_embeddings"]))
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{source}: not a valid GPT-2 config: {err}") from err
 
 
 def convert_hf_state_dict(state: dict[str, Tensor], config) -> dict[str, Tensor]:
@@ -91,6 +99,11 @@ def convert_hf_state_dict(state: dict[str, Tensor], config) -> dict[str, Tensor]
     Conv1D weights (in, out) are transposed to (out, in) (views, no copy). Keys that do not
     map keep their name, so ``check_and_load`` reports them as unexpected; with tied
     embeddings ``lm_head.weight`` is dropped (it is ``wte``) and re-added as the tied key.
+
+    Raises:
+        CheckpointError when the config ties the embeddings but the file holds an
+        ``lm_head.weight`` that differs from ``wte.weight`` (transformers 5 then keeps the
+        two apart; qkv would silently use ``wte``).
     """
     out: dict[str, Tensor] = {}
     for key, t in state.items():
@@ -100,6 +113,13 @@ def convert_hf_state_dict(state: dict[str, Tensor], config) -> dict[str, Tensor]
         if k == "lm_head.weight":
             if not config.tie_embeddings:
                 out["lm_head.weight"] = t
+            else:
+                wte = state.get("transformer.wte.weight", state.get("wte.weight"))
+                if wte is not None and (wte.shape != t.shape or not torch.equal(wte, t)):
+                    raise CheckpointError("HF GPT-2 checkpoint: lm_head.weight differs from "
+                                          "wte.weight but config tie_word_embeddings=True; "
+                                          "set tie_word_embeddings to false in config.json "
+                                          "to load the separate output embedding")
             continue
         if k in _TOP_MAP:
             out[_TOP_MAP[k]] = t
@@ -119,7 +139,7 @@ def load_hf_gpt2(cls, directory: Path, *, allow_pickle: bool = False, **kwargs: 
     """``cls.from_hf``: read config.json and the weights of an HF GPT-2 directory, convert,
     check every key and shape (``CheckpointError``, nothing loaded half-way); eval mode."""
     directory = Path(directory)
-    config = config_from_hf(read_json(directory / "config.json"))
+    config = config_from_hf(read_json(directory / "config.json"), str(directory))
     state = load_state_dict_file(directory, allow_pickle=allow_pickle)
     model = cls(config, **kwargs)
     converted = convert_hf_state_dict(state, config)

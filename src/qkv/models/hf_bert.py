@@ -1,0 +1,123 @@
+"""HuggingFace BERT checkpoints -> ``qkv.models.bert.BERT``: config and weight conversion.
+
+Shapes: V vocab size, C model width. HF keeps separate query/key/value projections (C, C)
+and (C,); qkv's ``in_proj`` fuses them into (3C, C) / (3C,), rows q, k, v. Keys may carry
+the "bert." prefix (``BertForMaskedLM``/``BertForPreTraining``) or not (``BertModel``).
+The config fields are classified in ``qkv.models.hf_config.BERT_FIELDS``. This module does
+not import ``bert`` (``BERT.from_hf`` calls it), so there is no import circle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .hf_config import BERT_FIELDS, HF_ACTIVATIONS, audit_hf_config
+from .hub import CheckpointError
+
+__all__ = ["config_from_hf", "map_hf_state", "normalise_hf_state"]
+
+#: BertConfig's defaults for the fields a config.json may leave out
+_HF_DEFAULTS = {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12,
+                "num_attention_heads": 12, "intermediate_size": 3072, "hidden_act": "gelu",
+                "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1,
+                "max_position_embeddings": 512, "type_vocab_size": 2, "layer_norm_eps": 1e-12,
+                "pad_token_id": 0}
+
+
+def config_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """``BERTConfig`` fields (without with_pooler / with_mlm_head) from the dict of an HF
+    BERT config.json. Every field is classified in ``qkv.models.hf_config.BERT_FIELDS``:
+    refused options raise a CheckpointError naming them, unknown fields warn; a field left
+    out takes BertConfig's default."""
+    if hf.get("model_type") != "bert":
+        raise CheckpointError(f"{source}: config.json model_type {hf.get('model_type')!r}; "
+                              f"BERT.from_hf reads 'bert' checkpoints")
+    audit_hf_config(hf, BERT_FIELDS, source)
+    hf = {**_HF_DEFAULTS, **hf}
+    act = hf["hidden_act"]
+    return {"vocab_size": hf["vocab_size"], "max_len": hf["max_position_embeddings"],
+            "type_vocab_size": hf["type_vocab_size"], "dim": hf["hidden_size"],
+            "num_layers": hf["num_hidden_layers"], "num_heads": hf["num_attention_heads"],
+            "ffn_hidden": hf["intermediate_size"], "activation": HF_ACTIVATIONS[act],
+            "norm_eps": hf["layer_norm_eps"], "dropout": hf["hidden_dropout_prob"],
+            "attn_dropout": hf["attention_probs_dropout_prob"],
+            # None: HF's embedding has no padding row, which changes gradients only
+            "pad_token_id": hf["pad_token_id"] or 0}
+
+
+def normalise_hf_state(state: dict[str, Tensor], source: str,
+                       tied: bool = True) -> dict[str, Tensor]:
+    """Strip "bert.", rename gamma/beta, drop the keys we knowingly ignore. ``tied``: the
+    config's tie_word_embeddings; with False the checkpoint's MLM decoder must be present and
+    equal to the word embeddings (qkv's decoder is always tied)."""
+    out: dict[str, Tensor] = {}
+    for key, t in state.items():
+        k = key.removeprefix("bert.")
+        if k.endswith(".gamma"):
+            k = k[:-len("gamma")] + "weight"
+        elif k.endswith(".beta"):
+            k = k[:-len("beta")] + "bias"
+        if k in out:
+            raise CheckpointError(f"{source}: key {key!r} appears twice (with and without "
+                                  f"the 'bert.' prefix, or as gamma/beta and weight/bias)")
+        out[k] = t
+    out.pop("embeddings.position_ids", None)
+    for k in [k for k in out if k.startswith("cls.seq_relationship.")]:
+        del out[k]  # next-sentence prediction head: not part of this model
+    dec_w = out.pop("cls.predictions.decoder.weight", None)
+    if dec_w is not None:
+        word = out.get("embeddings.word_embeddings.weight")
+        if word is None or word.shape != dec_w.shape or not torch.equal(word, dec_w):
+            raise CheckpointError(f"{source}: cls.predictions.decoder.weight differs from the "
+                                  f"word embeddings (config tie_word_embeddings={tied}); only "
+                                  f"a tied MLM decoder is supported")
+    elif not tied and any(k.startswith("cls.predictions.") for k in out):
+        raise CheckpointError(f"{source}: config tie_word_embeddings=False but the checkpoint "
+                              f"has no cls.predictions.decoder.weight: the MLM decoder is "
+                              f"undefined (qkv supports only a decoder tied to the word "
+                              f"embeddings)")
+    dec_b = out.pop("cls.predictions.decoder.bias", None)
+    if dec_b is not None:
+        bias = out.setdefault("cls.predictions.bias", dec_b)
+        if bias.shape != dec_b.shape or not torch.equal(bias, dec_b):
+            raise CheckpointError(f"{source}: cls.predictions.decoder.bias differs from "
+                                  f"cls.predictions.bias")
+    return out
+
+
+def map_hf_state(model: nn.Module, state: dict[str, Tensor], source: str) -> dict[str, Tensor]:
+    """HF keys -> the keys of ``model`` (a ``BERT``: its ``hf_key_map()``), fusing q/k/v
+    (each (C, ...) -> in_proj (3C, ...), rows q, k, v); errors in HF names."""
+    own = model.state_dict()
+    mapped: dict[str, Tensor] = {}
+    used: set[str] = set()
+    missing: list[str] = []
+    shapes: list[str] = []
+    for key, hf in model.hf_key_map().items():
+        names = hf if isinstance(hf, tuple) else (hf,)
+        want = own[key].shape
+        part = (want[0] // len(names), *want[1:])  # q/k/v each (C, ...) of (3C, ...)
+        absent = [n for n in names if n not in state]
+        missing.extend(absent)
+        bad = [f"{n}: checkpoint {tuple(state[n].shape)} vs expected {tuple(part)}"
+               for n in names if n in state and state[n].shape != part]
+        shapes.extend(bad)
+        used.update(n for n in names if n in state)
+        if not absent and not bad:
+            parts = [state[n] for n in names]
+            mapped[key] = parts[0] if len(parts) == 1 else torch.cat(parts)  # rows q, k, v
+    unknown = sorted(set(state) - used)
+    if missing or unknown or shapes:
+        msg = []
+        if missing:
+            msg.append(f"missing keys {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+        if unknown:
+            msg.append(f"unknown keys {unknown[:10]}{' ...' if len(unknown) > 10 else ''}")
+        if shapes:
+            msg.append("shape mismatches " + "; ".join(shapes[:10]))
+        raise CheckpointError(f"{source}: HuggingFace BERT checkpoint does not match its "
+                              f"config: " + "; ".join(msg))
+    return mapped
