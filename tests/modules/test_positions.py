@@ -259,9 +259,10 @@ def test_rope_half_split_is_hf_rotate_half_convention():
 
 def test_rope_half_split_matches_transformers():
     # transformers' own apply_rotary_pos_emb with the cos/sin built above; fp64, atol 1e-12.
-    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
-    if "unsqueeze_dim" not in inspect.signature(llama.apply_rotary_pos_emb).parameters:
-        pytest.skip("transformers too old: apply_rotary_pos_emb takes a table + position_ids")
+    # transformers is a dev dependency: plain import (missing or too old must fail, not skip)
+    from transformers.models.llama import modeling_llama as llama
+
+    assert "unsqueeze_dim" in inspect.signature(llama.apply_rotary_pos_emb).parameters
     d = 32
     rope = RoPE(d)
     q = torch.randn(2, 4, 9, d, generator=gen(11), dtype=torch.float64)

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import qkv
@@ -209,6 +210,170 @@ def test_producer_head_count_checked():
     q, k, v = rand_qkv(1, 4, 5, 5, 8, dtype=torch.float32)
     with pytest.raises(ValueError, match="heads"):
         qkv.attention(q, k, v, bias=ALiBi(8))
+
+
+# ------------------------------------------------- independent dense oracle, fp32 vs fp64
+# Built from the papers' formulas alone: no qkv helper (alibi_slopes, t5_bucket, .bucket,
+# .index, .slopes, .dense) is called; only the learned tables are read, as fp64 leaves.
+# Query i sits at position i + S - N (bottom-right, qkv.ops.bias), key j at j; rel = j - pos.
+
+
+def paper_alibi_slopes(h: int) -> list[float]:
+    """Press et al. 2022, sec. 3: for H a power of two the geometric sequence starting at
+    2^(-8/H) with that ratio; otherwise the 2^k = largest power of two below H slopes, then
+    the odd-indexed (1st, 3rd, ...) slopes of the 2^(k+1) sequence."""
+    def geometric(n):
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+    p = 1
+    while p * 2 <= h:
+        p *= 2
+    return geometric(p) + [geometric(2 * p)[i] for i in range(0, 2 * (h - p), 2)]
+
+
+def independent_bias(scheme_name: str, n: int, s: int, heads: int, *, causal: bool,
+                     table: Tensor | None, t5_cfg=None) -> Tensor:
+    """(H, N, S) fp64 additive bias of ALiBi / T5 from the formulas (Shaw: see below)."""
+    pos = torch.arange(n, dtype=torch.long)[:, None] + (s - n)  # (N, 1)
+    rel = torch.arange(s, dtype=torch.long)[None, :] - pos  # (N, S): key - query
+    if scheme_name == "alibi":
+        m = torch.tensor(paper_alibi_slopes(heads), dtype=torch.float64)  # (H,)
+        return -m[:, None, None] * rel.abs().double()[None]  # (H, N, S)
+    num_buckets, max_distance = t5_cfg
+    lo = -(s - 1) - max(0, n - s)
+    values = list(range(lo, n))  # every rel that occurs
+    bucket_of = torch.tensor([plain_t5_bucket(r, not causal, num_buckets, max_distance)
+                              for r in values])
+    buckets = bucket_of[rel - lo]  # (N, S)
+    return table[buckets].permute(2, 0, 1)  # (num_buckets, H)[.] -> (H, N, S)
+
+
+def independent_attention(q, k, v, scheme_name, *, causal, params, keep_len=None):
+    """softmax(q kᵀ/sqrt(D) + bias) v (+ Shaw's value term), fp64, empty rows -> 0.
+    ``params``: fp64 leaves of the scheme's tables; ``keep_len`` (B,) optional padding."""
+    b, h, n, d = q.shape
+    s = k.shape[2]
+    scale = 1.0 / math.sqrt(d)
+    scores = torch.einsum("bhnd,bhsd->bhns", q, k) * scale  # (B, H, N, S)
+    extra = None
+    if scheme_name == "shaw":
+        clip = params["max_distance"]
+        pos = torch.arange(n)[:, None] + (s - n)
+        rel = (torch.arange(s)[None, :] - pos).clamp(-clip, clip) + clip  # (N, S) row index
+        a_k = params["key_embedding"][rel]  # (N, S, D)
+        scores = scores + torch.einsum("bhnd,nsd->bhns", q, a_k) * scale
+        if "value_embedding" in params:
+            extra = params["value_embedding"][rel]  # (N, S, Dv)
+    else:
+        scores = scores + independent_bias(scheme_name, n, s, h, causal=causal,
+                                           table=params.get("weight"),
+                                           t5_cfg=params.get("t5_cfg"))[None]
+    allowed = torch.ones(b, 1, n, s, dtype=torch.bool)
+    for i in range(n):  # causal, bottom-right: key j <= query position i + S - N
+        allowed[:, :, i, i + s - n + 1:] = not causal
+        if i + s - n + 1 <= 0 and causal:
+            allowed[:, :, i, :] = False
+    if keep_len is not None:
+        for bi, length in enumerate(keep_len):
+            allowed[bi, :, :, length:] = False
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    empty = ~allowed.any(-1, keepdim=True)
+    p = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(~allowed, 0.0)
+    out = torch.einsum("bhns,bhsd->bhnd", p, v)
+    if extra is not None:
+        out = out + torch.einsum("bhns,nsd->bhnd", p, extra)
+    return out
+
+
+def _fp32_scheme(name: str, heads: int, d: int, causal: bool):
+    """The module under test (fp32) with non-trivial tables, and its fp64 oracle leaves."""
+    g = torch.Generator().manual_seed(11)
+    if name == "alibi":
+        return ALiBi(heads), {}
+    if name == "t5":
+        scheme = T5Bias(heads, num_buckets=32, max_distance=128, bidirectional=not causal)
+        with torch.no_grad():
+            scheme.embedding.weight.copy_(torch.randn(32, heads, generator=g))
+        leaves = {"weight": scheme.embedding.weight.detach().double().requires_grad_(),
+                  "t5_cfg": (32, 128)}
+        return scheme, leaves
+    scheme = ShawRelative(d, max_distance=5)
+    with torch.no_grad():
+        scheme.key_embedding.copy_(torch.randn(11, d, generator=g))
+        scheme.value_embedding.copy_(torch.randn(11, d, generator=g))
+    leaves = {"key_embedding": scheme.key_embedding.detach().double().requires_grad_(),
+              "value_embedding": scheme.value_embedding.detach().double().requires_grad_(),
+              "max_distance": 5}
+    return scheme, leaves
+
+
+def _check_fp32_vs_independent(name, n, s, causal, backend, *, heads=3, d=16, b=1,
+                               lengths=None):
+    scheme, leaves = _fp32_scheme(name, heads, d, causal)
+    q, k, v = rand_qkv(b, heads, n, s, d, dtype=torch.float32, seed=n * 1000 + s)
+    d_out = torch.randn(b, heads, n, d, generator=torch.Generator().manual_seed(5),
+                        dtype=torch.float64)
+    mask = Padding(lengths) if lengths is not None else None
+    out = qkv.attention(q, k, v, causal=causal, mask=mask, bias=scheme, backend=backend)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = independent_attention(q64, k64, v64, name, causal=causal, params=leaves,
+                                 keep_len=None if lengths is None else lengths.tolist())
+    # fp32 vs the fp64 oracle: atol 5e-5, rtol 5e-6 (outputs and every gradient)
+    torch.testing.assert_close(out.double(), want, atol=5e-5, rtol=5e-6)
+    tables = [t for t in leaves.values() if isinstance(t, Tensor)]
+    got = torch.autograd.grad(out, [q, k, v, *scheme.parameters()], d_out.float())
+    ref = torch.autograd.grad(want, [q64, k64, v64, *tables], d_out)
+    names = ["dq", "dk", "dv", *(f"d{n_}" for n_, _ in scheme.named_parameters())]
+    for what, a, r in zip(names, got, ref, strict=True):
+        torch.testing.assert_close(a.double(), r, atol=5e-5, rtol=5e-6,
+                                   msg=lambda m, what=what: f"{what}: {m}")
+
+
+INDEPENDENT_SIZES = (1, 17, 113, 203)
+
+
+@pytest.mark.parametrize("backend", ["chunked", "reference"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("name", SCHEMES)
+def test_fp32_matches_independent_fp64_oracle(name, causal, backend):
+    """Every (N, S) in {1, 17, 113, 203}² (N != S and N > S with empty causal rows
+    included), fp32 outputs and gradients of q, k, v and the scheme's tables vs the fp64
+    oracle written from the papers: atol 5e-5, rtol 5e-6. ALiBi with H = 3 uses the
+    non-power-of-two slopes."""
+    for n in INDEPENDENT_SIZES:
+        for s in INDEPENDENT_SIZES:
+            _check_fp32_vs_independent(name, n, s, causal, backend)
+
+
+@pytest.mark.parametrize("n,s", [(600, 520), (1, 530)])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("name", SCHEMES)
+def test_fp32_matches_independent_fp64_oracle_long(name, causal, n, s):
+    """Lengths >= 513 on the default (chunked) backend: T5 past its saturation distance,
+    Shaw far beyond its clip; same oracle and tolerances."""
+    _check_fp32_vs_independent(name, n, s, causal, "auto", heads=2)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("name", SCHEMES)
+def test_fp32_with_padding_matches_independent_fp64_oracle(name, causal):
+    """Padding sends the chunked backend to its explicit tiles; B = 2, one short row."""
+    _check_fp32_vs_independent(name, 113, 203, causal, "chunked", b=2,
+                               lengths=torch.tensor([203, 40]))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("name", ["alibi", "t5"])
+def test_sdpa_materialised_bias_matches_independent_fp64_oracle(name, causal):
+    for n, s in ((17, 113), (113, 17), (203, 203)):
+        _check_fp32_vs_independent(name, n, s, causal, "sdpa")
+
+
+def test_paper_slopes_oracle_on_paper_values():
+    """The oracle's own slopes: H=8 -> 1/2 .. 1/256; H=12 -> those and 2^-0.5, 2^-1.5, ..."""
+    assert paper_alibi_slopes(8) == [2.0 ** -(h + 1) for h in range(8)]
+    assert paper_alibi_slopes(12) == ([2.0 ** -(h + 1) for h in range(8)]
+                                      + [2.0 ** -(h + 0.5) for h in range(4)])
+    assert paper_alibi_slopes(3) == [2.0 ** -4, 2.0 ** -8, 2.0 ** -2]
 
 
 class _LargestTensor(TorchDispatchMode):

@@ -3,11 +3,14 @@
 Shapes: B batch, H query heads, Hkv key/value heads, N query length, S key length,
 D head dim, Dv value dim.
 
-Oracle: ``reference64`` = the reference backend on fp64 copies of the inputs; it is itself
-checked against ``oracle_attention`` (conftest), plain fp64 math with mask matrices built
-here independently of qkv.masks. Tolerance for fp32 vs the fp64 oracle, outputs AND
-gradients (q, k, v, dense bias): atol 5e-5, rtol 5e-6 (``TOL[torch.float32]``,
-PyTorch's OpInfo bar for SDPA).
+Oracle: ``oracle_attention`` (conftest), plain fp64 math on fp64 copies of the inputs, with
+the keep matrix of every case built here from the mask's documented meaning (explicit index
+comparisons: causal bottom-right ``j <= i + S - N`` / top-left ``j <= i``, padding
+``j < length``), never from the mask objects under test (no ``.dense()``); gradients by
+autograd through that formula. The reference backend is additionally checked against the
+same oracle at fp64 precision. Tolerance for fp32 vs the fp64 oracle, outputs AND gradients
+(q, k, v, dense bias): atol 5e-5, rtol 5e-6 (``TOL[torch.float32]``, PyTorch's OpInfo bar
+for SDPA).
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from conftest import (
     oracle_attention,
     oracle_weights,
     randn,
-    reference64,
 )
 from qkv.masks import Causal, Padding
 
@@ -221,15 +223,15 @@ def _run(backend: str, q, k, v, built: Built, d_out: Tensor, **extra):
     return out, grads
 
 
-def _check_against_reference64(backend: str, sh: Shape, built: Built, gen) -> None:
+def _check_against_oracle64(backend: str, sh: Shape, built: Built, gen) -> None:
     q, k, v = make_qkv(sh.b, sh.h, sh.n, sh.s, sh.d, hkv=sh.hkv, dv=sh.dv, gen=gen)
     d_out = randn(sh.b, sh.h, sh.n, sh.dv, gen=gen)
     bias = built.bias
     out, grads = _run(backend, q, k, v, built, d_out)
     q64, k64, v64, b64 = fp64(q), fp64(k), fp64(v), fp64(bias)
-    kw64 = {**built.kwargs, **({"bias": b64} if bias is not None else {})}
+    # the oracle sees only tensors and the independently built keep matrix (no mask object)
     ref, ref_grads = grads_of(
-        lambda: qkv.attention(q64, k64, v64, backend="reference", **kw64),
+        lambda: oracle_attention(q64, k64, v64, keep=built.keep, bias=b64),
         [q64, k64, v64, b64], d_out.double())
     assert out.dtype == torch.float32 and out.shape == (sh.b, sh.h, sh.n, sh.dv)
     # fp32 backend vs fp64 reference: atol 5e-5, rtol 5e-6
@@ -253,17 +255,17 @@ def _shape_params():
 
 @pytest.mark.parametrize(("shape", "mask_id"), list(_shape_params()))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_shapes_match_fp64_reference(backend, shape, mask_id, gen):
-    """Awkward shapes (CHECKLIST 7), outputs and grads vs the fp64 reference."""
-    _check_against_reference64(backend, shape, MASK_CASES[mask_id](shape), gen)
+def test_shapes_match_fp64_oracle(backend, shape, mask_id, gen):
+    """Awkward shapes (CHECKLIST 7), outputs and grads vs the fp64 oracle."""
+    _check_against_oracle64(backend, shape, MASK_CASES[mask_id](shape), gen)
 
 
 @pytest.mark.parametrize("mask_id", list(MASK_CASES))
 @pytest.mark.parametrize("shape", MASK_SHAPES, ids=lambda s: s.id)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_masks_and_biases_match_fp64_reference(backend, shape, mask_id, gen):
+def test_masks_and_biases_match_fp64_oracle(backend, shape, mask_id, gen):
     """Every mask/bias kind and broadcast shape, outputs and grads (incl. dense bias)."""
-    _check_against_reference64(backend, shape, MASK_CASES[mask_id](shape), gen)
+    _check_against_oracle64(backend, shape, MASK_CASES[mask_id](shape), gen)
 
 
 @pytest.mark.parametrize("mask_id", list(MASK_CASES))
@@ -294,11 +296,11 @@ def test_custom_scale(backend, gen):
     assert_close_to(out, want, atol=ATOL, rtol=RTOL, what=backend)
 
 
-def test_auto_backend_serves_and_matches_reference(gen):
+def test_auto_backend_serves_and_matches_oracle(gen):
     q, k, v = make_qkv(2, 4, 13, 21, 24, hkv=2, gen=gen)
     assert all(r is None for r in qkv.explain(q, k, v, mask=Causal()).values())
     out = qkv.attention(q, k, v, mask=Causal())
-    ref = reference64(q, k, v, mask=Causal())
+    ref = oracle_attention(q.double(), k.double(), v.double(), keep=_causal_keep(13, 21, False))
     assert_close_to(out, ref, atol=ATOL, rtol=RTOL, what="auto")  # 5e-5 / 5e-6
 
 

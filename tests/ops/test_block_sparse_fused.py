@@ -1,6 +1,8 @@
 """The fused block-sparse path (qkv.ops.sparse.block_sparse_attention: torch's CPU flash
 kernel per query block over the gathered live key blocks) against the chunked backend's
-explicit tiles and a dense fp64 reference built from ``mask.dense``.
+explicit tiles and a dense fp64 reference over a keep matrix rebuilt here from each
+pattern's documented meaning (``independent_keep``; ``mask.dense`` only for BigBird's
+random blocks, which cannot be recomputed and are checked in test_sparse_oracle.py).
 
 Tolerances: fp32 outputs and q/k/v gradients vs the fp64 reference at atol 5e-5, rtol 5e-6
 (the fused and tile paths each, hence also against each other); fp64 at 1e-10.
@@ -67,6 +69,61 @@ PATTERNS = {
                                                  causal=True),
 }
 SHAPES = [(45, 45), (29, 61), (61, 29), (8, 8), (1, 1)]
+
+
+def _expand(lay, n, s, bs):
+    """Element keep (..., N, S) of a block layout (..., ceil(N/bs), ceil(S/bs))."""
+    return lay[..., (torch.arange(n) // bs)[:, None], (torch.arange(s) // bs)[None, :]]
+
+
+def _longformer_keep(n, s, window, glob, causal):
+    """Longformer from its docstring: query i at p = i + S - N sees the window band
+    (causal: 0 <= p - j < W; else |j - p| < W), global query rows and global key columns;
+    causal also j <= p."""
+    rows = []
+    for i in range(n):
+        p = i + s - n
+        rows.append([((0 <= p - j < window) if causal else abs(j - p) < window)
+                     or i in glob or j in glob for j in range(s)])
+        if causal:
+            rows[-1] = [ok and j <= p for j, ok in enumerate(rows[-1])]
+    return torch.tensor(rows, dtype=torch.bool).reshape(n, s)
+
+
+def _bigbird_plain_keep(n, s, bs, window_blocks, global_blocks):
+    """BigBird without random blocks, not causal: query block a sits at key block
+    a' = (a·bs + S - N) // bs and sees |b - a'| <= (w-1)/2, the first G key blocks, and
+    everything when 0 <= a' < G."""
+    nb, sb = -(-n // bs), -(-s // bs)
+    half = (window_blocks - 1) // 2
+    lay = torch.tensor([[abs(b - (a * bs + s - n) // bs) <= half or b < global_blocks
+                         or 0 <= (a * bs + s - n) // bs < global_blocks for b in range(sb)]
+                        for a in range(nb)], dtype=torch.bool).reshape(nb, sb)
+    return _expand(lay, n, s, bs)
+
+
+def independent_keep(name, n, s):
+    """The keep matrix of ``PATTERNS[name]`` rebuilt without qkv.masks, or None where the
+    pattern draws random blocks (those are checked against their documented structure in
+    test_sparse_oracle.py; here ``mask.dense`` stands in)."""
+    nb, sb = -(-n // 8), -(-s // 8)
+    if name == "blocksparse-heads":
+        return _expand(_per_head_layout(2, nb, sb, 2, empty_row=1), n, s, 8)[None]
+    if name == "blocksparse-batch-heads":
+        lay = torch.rand(2, 2, nb, sb, generator=torch.Generator().manual_seed(5)) < 0.3
+        return _expand(lay, n, s, 8)
+    if name == "longformer":
+        return _longformer_keep(n, s, 5, [g for g in (0, 3, 20) if g < min(n, s)], False)
+    if name == "longformer-causal":
+        return _longformer_keep(n, s, 4, [g for g in (1, 17) if g < min(n, s)], True)
+    if name == "bigbird-global2":
+        return _bigbird_plain_keep(n, s, 8, 1, 2)
+    return None
+
+
+def _keep(name, mask, n, s):
+    keep = independent_keep(name, n, s)
+    return mask.dense(n, s) if keep is None else keep
 CASES = [(name, n, s) for name in PATTERNS for n, s in SHAPES]
 
 
@@ -86,7 +143,7 @@ def test_fused_equals_tiles_equals_fp64_reference(name, n, s, monkeypatch):
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v = _qkv(2, 2, n, s, 8, torch.float32, seed=n * 100 + s)
     d_out = torch.randn(2, 2, n, 8, generator=torch.Generator().manual_seed(9))
-    keep = mask.dense(n, s)
+    keep = _keep(name, mask, n, s)
     want = _dense(q, k, v, keep)
     want_g = _grads(want, (q, k, v), d_out.double())
     fused = chunked_attention(q, k, v, mask=mask, scale=SCALE)[0]
@@ -104,7 +161,7 @@ def test_fp64_at_1e10_and_lse(name):
     n, s = 37, 53
     mask = PATTERNS[name](n, s)
     q, k, v = _qkv(2, 2, n, s, 8, torch.float64, seed=4)
-    keep = mask.dense(n, s)
+    keep = _keep(name, mask, n, s)
     out, lse = chunked_attention(q, k, v, mask=mask, scale=SCALE)
     torch.testing.assert_close(out, _dense(q, k, v, keep), atol=1e-10, rtol=1e-10)
     scores = (q @ k.transpose(-2, -1)) * SCALE
@@ -214,6 +271,22 @@ PADDINGS = {
                                    Padding(torch.tensor([min(s, 30), s])))),
 }
 PAD_SHAPES = [(45, 45), (29, 61), (61, 29)]
+
+
+def _padding_keep(pad: str, s: int):
+    """``PADDINGS[pad]`` from its meaning (key j of row b is real iff j < lengths[b], or
+    keep[b, j]), without qkv.masks: (B, 1, 1, S)."""
+    def below(lengths):
+        return torch.tensor([[j < length for j in range(s)] for length in lengths])
+    if pad == "lengths-0":
+        rows = below([0, max(0, s - 3)])
+    elif pad == "lengths-1":
+        rows = below([1, min(s, 13)])
+    elif pad == "keep":
+        rows = torch.rand(2, s, generator=torch.Generator().manual_seed(s)) < 0.7
+    else:
+        rows = below([s, min(s, 21)]) & below([min(s, 30), s])
+    return rows[:, None, None, :]
 PAD_CASES = [(name, pad, n, s) for name in PATTERNS for pad in PADDINGS
              for n, s in PAD_SHAPES]
 
@@ -229,7 +302,7 @@ def test_padded_fused_equals_tiles_equals_fp64_reference(name, pad, n, s, monkey
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v = _qkv(2, 2, n, s, 8, torch.float32, seed=n * 100 + s + 7)
     d_out = torch.randn(2, 2, n, 8, generator=torch.Generator().manual_seed(9))
-    keep = mask.dense(n, s)
+    keep = _keep(name, PATTERNS[name](n, s), n, s) & _padding_keep(pad, s)
     want = _dense(q, k, v, keep)
     want_g = _grads(want, (q, k, v), d_out.double())
     fused, lse = chunked_attention(q, k, v, mask=mask, scale=SCALE)

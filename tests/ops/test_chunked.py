@@ -6,9 +6,11 @@ D head dim, Dv value dim.
 - gradcheck in fp64, contiguous and strided inputs, dense bias (its gradient too), masks
   (CHECKLIST 3);
 - chunked == full for every block size, including 1 and non-divisors: outputs, gradients
-  and the returned LSE (CHECKLIST 8). Run in fp64, where merging partial results through
-  the LSE must be exact up to summation order: atol 1e-12, rtol 1e-10 (``TOL[float64]``);
-  and in fp32 against the fp64 reference at atol 5e-5, rtol 5e-6 (CHECKLIST 1);
+  and the returned LSE (CHECKLIST 8), "full" being ``oracle_attention`` (conftest, plain
+  fp64 math) over a keep matrix built here without qkv.masks. Run in fp64, where merging
+  partial results through the LSE must be exact up to summation order: atol 1e-12,
+  rtol 1e-10 (``TOL[float64]``); and in fp32 against that fp64 oracle at atol 5e-5,
+  rtol 5e-6 (CHECKLIST 1);
 - dropout: reproducible under a fixed seed, fresh otherwise, backward consistent with
   forward (gradcheck of a function that reseeds before each call);
 - a long causal sequence with a T5 bias producer (slow).
@@ -22,7 +24,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import qkv
-from conftest import TOL, assert_close_to, fp64, grads_of, make_qkv, randn
+from conftest import TOL, assert_close_to, fp64, grads_of, make_qkv, oracle_attention, randn
 from qkv.masks import Causal, DenseMask, Padding
 from qkv.ops.chunked import chunked_attention
 
@@ -125,6 +127,14 @@ def _block_problem(n: int, s: int, dtype: torch.dtype, gen):
     return q, k, v, bias, mask, d_out
 
 
+def _block_keep(n: int, s: int) -> Tensor:
+    """The keep matrix of ``_block_problem``'s mask from its documented meaning, without
+    qkv.masks: bottom-right causal ``j <= i + S - N`` and padding ``j < length``."""
+    lengths = [s, s // 3]
+    return torch.tensor([[[j <= i + s - n and j < length for j in range(s)] for i in range(n)]
+                         for length in lengths])[:, None]  # (B, 1, N, S)
+
+
 @pytest.mark.parametrize("block_k", BLOCKS, ids=lambda x: f"bk{x}")
 @pytest.mark.parametrize("block_q", BLOCKS, ids=lambda x: f"bq{x}")
 @pytest.mark.parametrize(("n", "s"), [(23, 37), (37, 23)], ids=["N23-S37", "N37-S23"])
@@ -135,14 +145,14 @@ def test_every_block_size_matches_full_fp64(n, s, block_q, block_k, gen):
     scale = 0.3
     (out, lse), grads = _chunked_with_grads(q, k, v, bias, mask, d_out, scale, block_q, block_k)
     q2, k2, v2, b2 = fp64(q), fp64(k), fp64(v), fp64(bias)
-    ref, ref_grads = grads_of(lambda: qkv.attention(q2, k2, v2, mask=mask, bias=b2,
-                                                    scale=scale, backend="reference"),
+    keep = _block_keep(n, s)
+    ref, ref_grads = grads_of(lambda: oracle_attention(q2, k2, v2, keep=keep, bias=b2,
+                                                       scale=scale),
                               [q2, k2, v2, b2], d_out)
     atol, rtol = TOL[torch.float64]
     assert_close_to(out, ref, atol=atol, rtol=rtol, what="out")
     for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads, strict=True):
         assert_close_to(g, r, atol=atol, rtol=rtol, what=name)
-    keep = mask.dense(n, s)
     want_lse = _lse_oracle(q.detach(), k.detach(), keep=keep, bias=bias.detach(), scale=scale)
     assert lse.shape == (2, 4, n)
     assert_close_to(lse, want_lse, atol=atol, rtol=rtol, what="lse")
@@ -159,20 +169,21 @@ def _chunked_with_grads(q, k, v, bias, mask, d_out, scale, block_q, block_k):
 
 @pytest.mark.parametrize("block_q", [1, 7, 64], ids=lambda x: f"bq{x}")
 @pytest.mark.parametrize("block_k", [1, 16, 100], ids=lambda x: f"bk{x}")
-def test_block_sizes_fp32_against_fp64_reference(block_q, block_k, gen):
-    """fp32 chunked at odd blocks vs the fp64 reference: atol 5e-5, rtol 5e-6; LSE too."""
+def test_block_sizes_fp32_against_fp64_oracle(block_q, block_k, gen):
+    """fp32 chunked at odd blocks vs the fp64 oracle: atol 5e-5, rtol 5e-6; LSE too."""
     n, s = 23, 37
     q, k, v, bias, mask, d_out = _block_problem(n, s, torch.float32, gen)
     (out, lse), grads = _chunked_with_grads(q, k, v, bias, mask, d_out, 0.3, block_q, block_k)
     q2, k2, v2, b2 = fp64(q), fp64(k), fp64(v), fp64(bias)
-    ref, ref_grads = grads_of(lambda: qkv.attention(q2, k2, v2, mask=mask, bias=b2, scale=0.3,
-                                                    backend="reference"),
+    keep = _block_keep(n, s)
+    ref, ref_grads = grads_of(lambda: oracle_attention(q2, k2, v2, keep=keep, bias=b2,
+                                                       scale=0.3),
                               [q2, k2, v2, b2], d_out)
     atol, rtol = TOL[torch.float32]
     assert_close_to(out, ref, atol=atol, rtol=rtol, what="out")
     for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads, strict=True):
         assert_close_to(g, r, atol=atol, rtol=rtol, what=name)
-    want_lse = _lse_oracle(q2.detach(), k2.detach(), keep=mask.dense(n, s),
+    want_lse = _lse_oracle(q2.detach(), k2.detach(), keep=keep,
                            bias=b2.detach(), scale=0.3)
     assert_close_to(lse, want_lse, atol=atol, rtol=rtol, what="lse")
 

@@ -3,9 +3,10 @@ dK/dV (and d bias) finite, on every backend, in fp32/fp16/bf16.
 
 Shapes: B batch, H query heads, N query length, S key length, D head dim.
 
-The other (live) rows must still be right: in fp32 they are compared with the fp64
-reference at atol 5e-5, rtol 5e-6 (CHECKLIST 1); half precision accuracy is tested in
-test_half_precision.py.
+The other (live) rows must still be right: in fp32 every row, output and gradients, is
+compared with the fp64 ``oracle_attention`` (conftest) over a keep matrix built here from
+the masks' documented meaning, not from qkv.masks, at atol 5e-5, rtol 5e-6 (CHECKLIST 1);
+half precision accuracy is tested in test_half_precision.py.
 """
 
 from __future__ import annotations
@@ -17,7 +18,17 @@ import torch
 from torch import Tensor
 
 import qkv
-from conftest import ALL_DTYPES, TOL, assert_close_to, dtype_id, fp64, grads_of, randn
+from conftest import (
+    ALL_DTYPES,
+    TOL,
+    assert_close_to,
+    dtype_id,
+    fp64,
+    grads_of,
+    oracle_attention,
+    oracle_weights,
+    randn,
+)
 from qkv.masks import Causal, Padding
 from qkv.ops.chunked import chunked_attention
 
@@ -32,6 +43,17 @@ class Case:
     kwargs: dict
     empty: Tensor  # (B, H, N) bool: rows that must come out empty
     bias: Tensor | None = None
+    keep: Tensor | None = None  # broadcastable to (B, H, N, S), built without qkv.masks
+
+
+def _causal_keep(n: int, s: int) -> Tensor:
+    """Bottom-right causal, from its documented meaning: key j <= query i + S - N."""
+    return torch.tensor([[j <= i + s - n for j in range(s)] for i in range(n)])  # (N, S)
+
+
+def _pad_keep(lengths: list[int], s: int) -> Tensor:
+    """Key j of batch row b is real when j < lengths[b]: (B, 1, 1, S)."""
+    return torch.tensor([[j < length for j in range(s)] for length in lengths])[:, None, None]
 
 
 def _bool_rows(dtype):
@@ -42,7 +64,7 @@ def _bool_rows(dtype):
     keep[1, 1, 5] = False  # a row in one head only
     keep[1, :, 6, :] = False
     empty = ~keep.any(-1)
-    return Case(n, s, {"mask": keep}, empty)
+    return Case(n, s, {"mask": keep}, empty, keep=keep)
 
 
 def _bool_broadcast(dtype):
@@ -51,7 +73,7 @@ def _bool_broadcast(dtype):
     keep[0, 0, 3] = False
     keep[0, 1, 0] = False
     empty = (~keep[..., 0]).expand(B, H, n)
-    return Case(n, s, {"mask": keep}, empty)
+    return Case(n, s, {"mask": keep}, empty, keep=keep)
 
 
 def _bias_rows(dtype):
@@ -75,7 +97,7 @@ def _bias_and_bool(dtype):
     bias.requires_grad_()
     empty = torch.zeros(B, H, n, dtype=torch.bool)
     empty[:, :, 3] = True
-    return Case(n, s, {"bias": bias, "mask": keep}, empty, bias)
+    return Case(n, s, {"bias": bias, "mask": keep}, empty, bias, keep=keep)
 
 
 def _causal_n_gt_s(dtype):
@@ -83,12 +105,12 @@ def _causal_n_gt_s(dtype):
     n, s = 9, 4
     empty = torch.zeros(B, H, n, dtype=torch.bool)
     empty[:, :, : n - s] = True
-    return Case(n, s, {"mask": Causal()}, empty)
+    return Case(n, s, {"mask": Causal()}, empty, keep=_causal_keep(n, s))
 
 
 def _causal_flag_n_gt_s(dtype):
     case = _causal_n_gt_s(dtype)
-    return Case(case.n, case.s, {"causal": True}, case.empty)
+    return Case(case.n, case.s, {"causal": True}, case.empty, keep=case.keep)
 
 
 def _causal_padding_zero(dtype):
@@ -96,7 +118,8 @@ def _causal_padding_zero(dtype):
     n, s = 6, 6
     empty = torch.zeros(B, H, n, dtype=torch.bool)
     empty[1] = True
-    return Case(n, s, {"mask": Causal() & Padding(torch.tensor([6, 0]))}, empty)
+    return Case(n, s, {"mask": Causal() & Padding(torch.tensor([6, 0]))}, empty,
+                keep=_causal_keep(n, s) & _pad_keep([6, 0], s))
 
 
 def _causal_padding_partial(dtype):
@@ -107,14 +130,15 @@ def _causal_padding_partial(dtype):
     empty[:, :, :3] = True
     empty[1] = True
     return Case(n, s, {"mask": Causal() & Padding(torch.tensor([3, 0])), "bias": bias},
-                empty, bias)
+                empty, bias, keep=_causal_keep(n, s) & _pad_keep([3, 0], s))
 
 
 def _padding_zero(dtype):
     n, s = 5, 6
     empty = torch.zeros(B, H, n, dtype=torch.bool)
     empty[0] = True
-    return Case(n, s, {"mask": Padding(torch.tensor([0, 4]))}, empty)
+    return Case(n, s, {"mask": Padding(torch.tensor([0, 4]))}, empty,
+                keep=_pad_keep([0, 4], s))
 
 
 CASES = {
@@ -162,13 +186,20 @@ def test_fully_masked_rows(backend, case_id, dtype, gen):
     if dbias is not None:  # logits of empty rows get no gradient
         dead = _reduce_all(empty[..., None].expand(B, H, case.n, case.s), dbias.shape)
         assert torch.equal(dbias[dead], torch.zeros_like(dbias[dead])), "dbias of empty rows"
-    if dtype == torch.float32:  # live rows: fp32 vs fp64 reference, atol 5e-5, rtol 5e-6
-        kw = dict(case.kwargs)
-        if case.bias is not None:
-            kw["bias"] = fp64(case.bias)
-        ref = qkv.attention(fp64(q), fp64(k), fp64(v), backend="reference", **kw)
+    if dtype == torch.float32:  # every row: fp32 vs the fp64 oracle, atol 5e-5, rtol 5e-6
+        q64, k64, v64, b64 = fp64(q), fp64(k), fp64(v), fp64(case.bias)
+        ref, ref_grads = grads_of(
+            lambda: oracle_attention(q64, k64, v64, keep=case.keep, bias=b64),
+            [q64, k64, v64, b64], d_out.double())
+        ref_empty = oracle_weights(q64.detach(), k64.detach(), keep=case.keep,
+                                   bias=None if b64 is None else b64.detach()).sum(-1) == 0
+        assert torch.equal(ref_empty.expand(B, H, case.n), empty), "case's empty rows"
         atol, rtol = TOL[torch.float32]
-        assert_close_to(out, ref, atol=atol, rtol=rtol, what="live rows")
+        assert_close_to(out, ref, atol=atol, rtol=rtol, what="out")
+        for name, g, r in zip(("dq", "dk", "dv", "dbias"), (dq, dk, dv, dbias), ref_grads,
+                              strict=True):
+            if r is not None:
+                assert_close_to(g, r, atol=atol, rtol=rtol, what=name)
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=dtype_id)

@@ -32,7 +32,7 @@ class LayerNorm(nn.LayerNorm):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019): x / rms(x) · weight, in fp32."""
+    """Root-mean-square norm (Zhang & Sennrich 2019): x / rms(x) · weight, at least fp32."""
 
     def __init__(self, dim: int, *, eps: float = 1e-6, device=None, dtype=None) -> None:
         super().__init__()
@@ -40,10 +40,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: Tensor) -> Tensor:
-        """x (..., C) -> (..., C) in x's dtype."""
-        xf = x.float()
+        """x (..., C) -> (..., C) in x's dtype; fp16/bf16 computed in fp32, fp64 in fp64."""
+        compute = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(compute)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        return (xf * self.weight.to(compute)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
