@@ -18,8 +18,12 @@ def test_demo_runs_and_backends_agree(capsys):
 
 
 def test_bad_argument_is_one_line_not_a_traceback(capsys):
-    assert main(["demo", "tour", "--length", "0"]) == 2
-    assert "--length must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "tour", "--length", "0"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --length: must be an integer >= 1, got '0'" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_unknown_command_is_a_usage_error(capsys):

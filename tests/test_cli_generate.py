@@ -127,7 +127,7 @@ def test_translate_inputs_and_files(tmp_path, capsys, seq2seq, tok):
     (["translate", "{gpt}", "--input", "a"], "needs a Transformer run (use qkv generate)"),
     (["generate", "{mt}", "--prompt", "a"], "needs a GPT run (use qkv translate)"),
     (["generate", "{gpt}", "--prompt", "a", "--top-k", "3"], "only apply with --sample"),
-    (["generate", "{gpt}", "--prompt", "a", "--beams", "0"], "--beams must be >= 1"),
+    (["generate", "{gpt}", "--prompt", "a", "--beams", "0"], "--beams: must be an integer"),
     (["generate", "{gpt}", "--prompt", "a", "--sample", "--temperature", "0"], "temperature"),
     (["generate", "{gpt}", "--prompt", "a" * 40], "max_len"),
     (["translate", "{mt}", "--file", "{missing}"], "cannot read"),
@@ -136,6 +136,10 @@ def test_errors_are_one_line(tmp_path, capsys, gpt, seq2seq, args, message):
     dirs = {"gpt": _run_dir(tmp_path / "g", gpt, {"model": "gpt"}),
             "mt": _run_dir(tmp_path / "t", seq2seq, {"model": "transformer"}),
             "missing": str(tmp_path / "nope")}
-    assert main([a.format(**dirs) for a in args]) == 2
+    try:
+        code = main([a.format(**dirs) for a in args])
+    except SystemExit as exc:  # argparse refused a value
+        code = exc.code
+    assert code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and message in err, err

@@ -19,6 +19,11 @@ allocated), with the high-water mark reset first (Linux ``/proc/self/clear_refs`
 the growth of ``ru_maxrss``, which an earlier, larger peak can hide). With ``isolate`` each
 (method, N) runs in a fresh ``python -m qkv.bench`` process, so that memory freed by an
 earlier case and kept by the allocator cannot hide a later case's growth.
+
+A case that fails (out of memory, a crashed or timed-out subprocess, Ctrl-C) becomes a
+``Measurement`` with ``error`` set; the cases measured before and after it are kept, and the
+table lists it with the reason. ``min_bytes`` is what a case allocates at the least (its
+inputs and output), for refusing up front a length this machine cannot hold.
 """
 
 from __future__ import annotations
@@ -39,9 +44,11 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["DEFAULT_LENGTHS", "METHODS", "QUICK_LENGTHS", "Measurement", "fit_exponent",
-           "format_table", "make_call", "measure", "measure_isolated", "peak_growth_mib",
-           "plot", "run"]
+           "format_table", "make_call", "measure", "measure_isolated", "min_bytes",
+           "peak_growth_mib", "plot", "run"]
 
+#: the shape of every case but N: B, H, D (fp32)
+SHAPE = {"batch": 1, "heads": 8, "head_dim": 64}
 #: method key -> label used in tables and plots
 METHODS: dict[str, str] = {
     "dense": "dense causal SDPA",
@@ -56,12 +63,28 @@ QUICK_LENGTHS = (128, 256)
 
 @dataclasses.dataclass(frozen=True)
 class Measurement:
-    """One (method, N) case: median ``seconds`` per call and ``peak_mib`` above the inputs."""
+    """One (method, N) case: median ``seconds`` per call and ``peak_mib`` above the inputs;
+    a case that failed has ``error`` (why, one line) and NaN figures."""
 
     method: str
     n: int
     seconds: float
     peak_mib: float
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Whether the case was measured."""
+        return self.error is None
+
+
+def min_bytes(method: str, n: int) -> int:
+    """Bytes one case of ``method`` at length ``n`` allocates at the least, whatever the
+    method: q, k, v and the output, 4 × (B, H, N, D) fp32 (the methods' working memory
+    comes on top)."""
+    if method not in METHODS:
+        raise ValueError(f"bench: unknown method {method!r}; known: {list(METHODS)}")
+    return 4 * SHAPE["batch"] * SHAPE["heads"] * n * SHAPE["head_dim"] * 4
 
 
 def make_call(method: str, n: int, *, batch: int = 1, heads: int = 8, head_dim: int = 64,
@@ -147,8 +170,12 @@ def measure_isolated(method: str, n: int, *, repeat: int = 3, window: int = 512,
         cmd += ["--threads", str(threads)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
-        tail = done.stderr.strip().splitlines()[-1:] or ["(no output)"]
-        raise RuntimeError(f"bench: {method} at N={n} failed in its subprocess: {tail[0]}")
+        tail = done.stderr.strip().splitlines()[-1:]
+        if done.returncode < 0:  # e.g. SIGKILL from the kernel's out-of-memory killer
+            tail = [f"killed by signal {-done.returncode}"
+                    f"{' (out of memory?)' if done.returncode == -9 else ''}", *tail]
+        raise RuntimeError(f"bench: {method} at N={n} failed in its subprocess: "
+                           f"{(tail or ['(no output)'])[0]}")
     return Measurement(**json.loads(done.stdout.strip().splitlines()[-1]))
 
 
@@ -156,17 +183,33 @@ def run(lengths: Iterable[int], methods: Iterable[str] = tuple(METHODS), *, repe
         window: int = 512, isolate: bool = True, threads: int | None = None,
         log: Callable[[str], None] | None = None) -> list[Measurement]:
     """Measure every (method, N): for each N in turn, every method (so that a machine's
-    drift hits the methods at one N alike); ``log`` gets one line per case."""
+    drift hits the methods at one N alike); ``log`` gets one line per case.
+
+    A case that raises (out of memory, a failed subprocess) is recorded with its ``error``
+    and the run goes on; Ctrl-C records the case it interrupted as "interrupted" and returns
+    what was measured so far."""
     out = []
+    fn = measure_isolated if isolate else measure
     for n in lengths:
         for method in methods:
-            fn = measure_isolated if isolate else measure
-            m = fn(method, n, repeat=repeat, window=window, threads=threads)
+            try:
+                m = fn(method, n, repeat=repeat, window=window, threads=threads)
+            except KeyboardInterrupt:
+                out.append(_failed(method, n, "interrupted"))
+                return out
+            except Exception as exc:  # recorded in the table, not hidden
+                m = _failed(method, n, str(exc).strip().splitlines()[0] if str(exc).strip()
+                            else type(exc).__name__)
             out.append(m)
             if log is not None:
-                log(f"{_label(m.method, window):<24} N={n:>6}: {m.seconds:.4f} s, "
-                    f"{m.peak_mib:.0f} MiB")
+                log(f"{_label(m.method, window):<24} N={n:>6}: "
+                    + (f"{m.seconds:.4f} s, {m.peak_mib:.0f} MiB" if m.ok
+                       else f"failed: {m.error}"))
     return out
+
+
+def _failed(method: str, n: int, why: str) -> Measurement:
+    return Measurement(method, n, math.nan, math.nan, error=why)
 
 
 def fit_exponent(ns: Sequence[int], seconds: Sequence[float]) -> float:
@@ -186,10 +229,15 @@ def _label(method: str, window: int) -> str:
 
 def format_table(results: Sequence[Measurement], *, window: int = 512) -> str:
     """Two markdown tables (seconds, peak MiB): one row per method, one column per N, plus
-    the fitted time exponent and the speed-up over dense at the largest N (if measured)."""
+    the fitted time exponent and the speed-up over dense at the largest N (if measured);
+    a failed case is a "failed" cell, and a third table gives each failure's reason."""
+    failed = [m for m in results if not m.ok]
     lengths = sorted({m.n for m in results})
     methods = [k for k in METHODS if any(m.method == k for m in results)]
-    cell = {(m.method, m.n): m for m in results}
+    cell = {(m.method, m.n): m for m in results if m.ok}
+    gone = {(m.method, m.n) for m in failed}
+    if not lengths:
+        return "(no cases)"
     top = lengths[-1]
     dense = cell.get(("dense", top))
     head = ["method", *(f"N={n}" for n in lengths)]
@@ -203,15 +251,22 @@ def format_table(results: Sequence[Measurement], *, window: int = 512) -> str:
         speed = (f"{dense.seconds / cell[(k, top)].seconds:.2f}×"
                  if dense and (k, top) in cell else "–")
         lines.append("| " + " | ".join([_label(k, window),
-                                        *(f"{m.seconds:.4f}" if m else "–" for m in row),
+                                        *(f"{m.seconds:.4f}" if m else
+                                          "failed" if (k, n) in gone else "–"
+                                          for m, n in zip(row, lengths, strict=True)),
                                         f"{expo:.2f}", speed]) + " |")
     lines += ["", "peak MiB above the inputs:", "", "| " + " | ".join(head) + " |",
               "|" + "---|" * len(head)]
     for k in methods:
         row = [cell.get((k, n)) for n in lengths]
         lines.append("| " + " | ".join([_label(k, window),
-                                        *(f"{m.peak_mib:.0f}" if m else "–" for m in row)])
+                                        *(f"{m.peak_mib:.0f}" if m else
+                                          "failed" if (k, n) in gone else "–"
+                                          for m, n in zip(row, lengths, strict=True))])
                      + " |")
+    if failed:
+        lines += ["", "failed cases:", "", "| method | N | why |", "|---|---|---|"]
+        lines += [f"| {_label(m.method, window)} | {m.n} | {m.error} |" for m in failed]
     return "\n".join(lines)
 
 
@@ -229,7 +284,7 @@ def plot(results: Sequence[Measurement], path: str | Path, *, window: int = 512,
     path = Path(path)
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.5))
     for k in METHODS:
-        pts = sorted((m.n, m.seconds, m.peak_mib) for m in results if m.method == k)
+        pts = sorted((m.n, m.seconds, m.peak_mib) for m in results if m.method == k and m.ok)
         if not pts:
             continue
         ns = [p[0] for p in pts]

@@ -16,6 +16,12 @@ from typing import Any
 
 from torch import nn
 
+from .checks import int_in
+
+#: the files ``qkv attention`` writes into its output directory; a rerun may replace these
+#: (and only these) in an existing directory
+ATTENTION_FILES = ("attention_*.png", "attention.html")
+
 EXAMPLES = """examples:
   qkv attention runs/dates --input "March 5, 2024"
         greedy-translate, then draw encoder, decoder and cross-attention
@@ -28,7 +34,9 @@ EXAMPLES = """examples:
 
 writes DIR/attention_<map>.png for each map (encoder, decoder, cross), DIR/attention_
 alignment.png (encoder-decoder: cross-attention averaged over heads) and DIR/attention.html
-(open it in a browser; it needs no network).
+(open it in a browser; it needs no network). DIR (--out, default RUN/attention) must be new,
+empty, or hold only these files of an earlier run (they are replaced); never inside a
+training checkpoint directory (given RUN/checkpoint, the default is RUN/attention).
 """
 
 
@@ -44,14 +52,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the target text, teacher-forced (default for an encoder-decoder or "
                         "a GPT trained on pairs: the model's own greedy output)")
     p.add_argument("--out", default=None, metavar="DIR",
-                   help="output directory (default: RUN/attention)")
-    p.add_argument("--layer", type=int, default=None, metavar="L",
+                   help="output directory: new, empty or holding only attention_*.png / "
+                        "attention.html (default: RUN/attention)")
+    p.add_argument("--layer", type=int_in(), default=None, metavar="L",
                    help="draw only layer L in the PNGs (negative: from the end); the HTML "
                         "opens on it")
-    p.add_argument("--head", type=int, default=None, metavar="H",
+    p.add_argument("--head", type=int_in(), default=None, metavar="H",
                    help="draw only head H in the PNGs (negative: from the end); the HTML "
                         "opens on it (default: the mean over heads)")
-    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+    p.add_argument("--max-new-tokens", type=int_in(1), default=64, metavar="N",
                    help="longest generated target when --target is not given (default 64)")
     p.set_defaults(func=_run)
 
@@ -117,6 +126,17 @@ def _stack_sizes(model: nn.Module) -> tuple[int, int]:
     return min(layers), c.num_heads
 
 
+def default_out(run: Path) -> Path:
+    """``qkv attention``'s default output directory: RUN/attention for a run directory, and
+    for a training checkpoint directory (RUN/checkpoint) its run's RUN/attention — never a
+    folder inside the checkpoint, which every save replaces. A model directory outside any
+    run (``save_pretrained``, ``qkv demo coref``) gets DIR/attention."""
+    from ..outputs import inside_checkpoint
+
+    ckpt = inside_checkpoint(run)
+    return (run if ckpt is None else ckpt.parent) / "attention"
+
+
 def _index(name: str, value: int | None, total: int) -> int | None:
     from . import UserError
 
@@ -127,6 +147,7 @@ def _index(name: str, value: int | None, total: int) -> int | None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from ..outputs import new_output_dir
     from ..train.checkpoint import load_run, read_run_info
     from ..viz import (
         attention_html,
@@ -136,20 +157,27 @@ def _run(args: argparse.Namespace) -> int:
         token_labels,
     )
     from . import UserError
+    from .checks import check_fits
     from .generate import warn_unknown
 
     if not args.input.strip():
         raise UserError("--input is empty")
     if args.target is not None and not args.target.strip():
         raise UserError("--target is empty (leave it out to generate the target)")
-    if args.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     run = Path(args.run)
     model, tok = load_run(run)
     model.eval()
     n_layers, n_heads = _stack_sizes(model)
     layer = _index("layer", args.layer, n_layers)
     head = _index("head", args.head, n_heads)
+    if _max_len(model) is None:  # relative positions: nothing else bounds the output length
+        longest = len(tok.encode(args.input)) + 2 + (
+            args.max_new_tokens if args.target is None else len(tok.encode(args.target)))
+        check_fits(f"--max-new-tokens {args.max_new_tokens} (attention maps of up to "
+                   f"{longest} tokens, {n_layers}×{n_heads}×{longest}² fp32)",
+                   4 * n_layers * n_heads * longest**2)
+    out = new_output_dir(Path(args.out) if args.out is not None else default_out(run),
+                         replaceable=ATTENTION_FILES)
     info = read_run_info(run)
     warn_unknown(tok, [args.input, args.target or ""])
     src, tgt, generated = _frame(model, tok, info, args.input, args.target,
@@ -158,7 +186,6 @@ def _run(args: argparse.Namespace) -> int:
     src_tokens = tok.tokens(src)
     tgt_tokens = None if tgt is None else tok.tokens(tgt)
     labels = token_labels(maps, input_tokens=src_tokens, target_tokens=tgt_tokens)
-    out = Path(args.out) if args.out is not None else run / "attention"
     if generated is not None:
         print(f"generated target: {generated}")
     written = []

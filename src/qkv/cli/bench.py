@@ -6,7 +6,13 @@ attention method for long sequences on this machine."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+from .checks import int_in
+
+#: the most --threads accepted: beyond this many per core, threads only wait on each other
+THREADS_PER_CORE = 4
 
 EXAMPLES = """examples:
   qkv bench attention                          N = 1024 ... 16384, writes bench-attention.png
@@ -18,6 +24,9 @@ EXAMPLES = """examples:
 Each (method, N) runs in a fresh process (unless --quick or --in-process): time is the
 median of --repeat calls after a warm-up call, peak memory the peak resident memory during
 the warm-up call above the inputs. The full default run takes a few minutes on 2 cores.
+A length whose inputs alone cannot fit the memory available is refused before anything
+runs; a case that fails while running (out of memory, Ctrl-C) is listed with its reason
+after the tables of the cases that finished, and the exit status is then 1 (130 on Ctrl-C).
 """
 
 
@@ -35,17 +44,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true",
                    help="lengths 128,256, window 32, one repeat, in this process (a smoke "
                         "test; figures are not meaningful)")
-    p.add_argument("--repeat", type=int, default=3, help="timed calls per case (default 3)")
-    p.add_argument("--window", type=int, default=512,
+    p.add_argument("--repeat", type=int_in(1), default=3,
+                   help="timed calls per case (default 3)")
+    p.add_argument("--window", type=int_in(1), default=512,
                    help="sliding-window size W (default 512)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=int_in(1, THREADS_PER_CORE * (os.cpu_count() or 1)),
+                   default=None,
                    help="torch intra-op threads (default: torch's default). On a machine "
                         "shared with other jobs, 1 avoids threads waiting on each other")
     p.add_argument("--in-process", action="store_true",
                    help="measure every case in this process (faster; memory figures less "
                         "reliable)")
     p.add_argument("--out", default="bench-attention.png",
-                   help="PNG to write (default bench-attention.png)")
+                   help="PNG to write, replaced if it exists (default bench-attention.png)")
     p.set_defaults(func=_run)
 
 
@@ -63,7 +74,9 @@ def _ints(text: str, what: str) -> list[int]:
 
 def _run(args: argparse.Namespace) -> int:
     from .. import bench
+    from ..outputs import new_output_file
     from . import UserError
+    from .checks import check_fits
 
     lengths = list(bench.QUICK_LENGTHS if args.quick else bench.DEFAULT_LENGTHS)
     if args.lengths is not None:
@@ -75,12 +88,10 @@ def _run(args: argparse.Namespace) -> int:
         if unknown or not methods:
             raise UserError(f"--methods: unknown {unknown or args.methods!r}; choose from "
                             f"{','.join(bench.METHODS)}")
-    if args.repeat < 1:
-        raise UserError(f"--repeat must be >= 1, got {args.repeat}")
-    if args.window < 1:
-        raise UserError(f"--window must be >= 1, got {args.window}")
-    if args.threads is not None and args.threads < 1:
-        raise UserError(f"--threads must be >= 1, got {args.threads}")
+    longest = max(lengths)  # every case allocates at least its inputs and output
+    check_fits(f"--lengths {longest} (one case's q, k, v and output, 4 × 1×8×N×64 fp32)",
+               max(bench.min_bytes(m, longest) for m in methods))
+    out = new_output_file(args.out)
     window, repeat = (32, 1) if args.quick else (args.window, args.repeat)
     if args.quick and args.window != 512:
         window = args.window
@@ -97,6 +108,11 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         bench.torch.set_num_threads(before)
     print(bench.format_table(results, window=window))
-    path = bench.plot(results, args.out, window=window)
-    print(f"plot: {path}")
+    if any(m.ok for m in results):
+        print(f"plot: {bench.plot(results, out, window=window)}")
+    failed = [m for m in results if not m.ok]
+    if failed:
+        print(f"qkv bench: {len(failed)} of {len(results)} cases failed (listed after the "
+              f"tables)", file=sys.stderr)
+        return 130 if failed[-1].error == "interrupted" else 1
     return 0

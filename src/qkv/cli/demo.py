@@ -6,8 +6,15 @@ from __future__ import annotations
 
 import argparse
 
+from .checks import int_in, seed
+
+#: ``qkv demo tour``'s default --length
+TOUR_LENGTH = 8192
+#: ... with --quick
+TOUR_QUICK_LENGTH = 1024
+
 EXAMPLES = """examples:
-  qkv demo                       train on dates (~3 min on 2 CPU cores), print exact match
+  qkv demo                       train on dates (~1.5 min on 2 CPU cores), print exact match
   qkv demo --quick               a few-second run (smoke test; low accuracy)
   qkv demo --out runs/my-demo    choose the run directory
   qkv demo coref                 attention links pronouns to their nouns
@@ -25,22 +32,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true",
                    help="a short run for smoke tests (accuracy will be low)")
     p.add_argument("--out", default=None,
-                   help="run directory (default: runs/demo-<which>-<timestamp>)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--length", type=int, default=8192,
-                   help="tour only: sequence length of the relative-position part (default "
-                        "8192)")
+                   help="run directory, new or empty (default: runs/demo-<which>-<timestamp>)")
+    p.add_argument("--seed", type=seed, default=0, help="random seed (default 0)")
+    p.add_argument("--length", type=int_in(1), default=None,
+                   help=f"tour only: sequence length of the relative-position part (default "
+                        f"{TOUR_LENGTH}, {TOUR_QUICK_LENGTH} with --quick; the time grows as N², "
+                        f"the memory as N)")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     from . import UserError
 
-    if args.length < 1:
-        raise UserError(f"--length must be >= 1, got {args.length}")
+    if args.which != "tour" and args.length is not None:
+        raise UserError(f"--length {args.length}: only `qkv demo tour` takes --length")
     if args.which == "tour":
         from .tour import run_tour
 
+        if args.out is not None:
+            raise UserError(f"--out {args.out}: `qkv demo tour` writes no files")
+        if args.length is None:
+            args.length = TOUR_QUICK_LENGTH if args.quick else TOUR_LENGTH
         return run_tour(args)
     if args.which == "coref":
         from ..demos.coref import run_coref_demo

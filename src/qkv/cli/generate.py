@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .checks import float_in, int_in, seed
+
 GENERATE_DESCRIPTION = """\
 Continue prompts with a GPT run of `qkv train`. A GPT trained on a pair task answers
 each prompt the way it was trained (bos + prompt + eos, continued up to its eos) and
@@ -55,14 +57,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     _decoding_options(g)
     g.add_argument("--sample", action="store_true",
                    help="sample from the model's distribution instead of the argmax")
-    g.add_argument("--temperature", type=float, default=None,
+    g.add_argument("--temperature", type=float_in(0, low_open=True), default=None,
                    help="sampling temperature > 0 (default 1.0; needs --sample)")
-    g.add_argument("--top-k", type=int, default=None,
+    g.add_argument("--top-k", type=int_in(1), default=None,
                    help="sample among the K most likely tokens (needs --sample)")
-    g.add_argument("--top-p", type=float, default=None,
+    g.add_argument("--top-p", type=float_in(0, 1, low_open=True), default=None,
                    help="sample among the most likely tokens holding probability P, 0 < P <= 1 "
                         "(needs --sample)")
-    g.add_argument("--seed", type=int, default=None,
+    g.add_argument("--seed", type=seed, default=None,
                    help="seed of the sampling generator (default: unseeded)")
     g.set_defaults(func=_run_generate)
 
@@ -79,12 +81,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _decoding_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=None,
+    p.add_argument("--max-new-tokens", type=int_in(1), default=None,
                    help="most tokens to generate per output (default: up to 100, within the "
                         "model's max_len)")
-    p.add_argument("--beams", type=int, default=1,
+    p.add_argument("--beams", type=int_in(1), default=1,
                    help="beam search with K beams (default 1: greedy)")
-    p.add_argument("--length-penalty", type=float, default=1.0,
+    p.add_argument("--length-penalty", type=float_in(), default=1.0,
                    help="beam search: rank hypotheses by log-prob / length**P (default 1.0)")
     p.add_argument("--stop", action="append", default=[], metavar="TOKEN",
                    help="also end an output at this token (one token of the run's tokenizer, "
@@ -92,17 +94,56 @@ def _decoding_options(p: argparse.ArgumentParser) -> None:
 
 
 def _stop_tokens(tok: Any, stops: list[str]) -> list[int]:
-    """Token ids of the --stop texts (each must be exactly one token)."""
+    """Token ids of the --stop texts: each must be exactly one token the tokenizer knows
+    (a text it would read as <unk> could never be produced, so it could never stop)."""
     from . import UserError
 
     ids = []
     for text in stops:
         enc = tok.encode(text)
-        if len(enc) != 1 or enc[0] == tok.unk_id:
+        if not enc:
+            raise UserError(f"--stop {text!r} is empty for this run's tokenizer; a stop token "
+                            f"must be exactly one token")
+        if tok.unk_id in enc:
+            raise UserError(f"--stop {text!r} is not in this run's vocabulary (the tokenizer "
+                            f"reads it as <unk>), so the model can never produce it")
+        if len(enc) != 1:
+            shown = " ".join(repr(t) for t in tok.tokens(enc))
             raise UserError(f"--stop {text!r} is {len(enc)} tokens of this run's tokenizer "
-                            f"(or unknown to it); a stop token must be exactly one known token")
+                            f"({shown}); a stop token must be exactly one token")
         ids.append(enc[0])
     return ids
+
+
+def _check_sizes(model: Any, rows: list[list[int]], args: argparse.Namespace) -> None:
+    """--max-new-tokens and --beams against the model: the positions its max_len leaves
+    (absolute positions), and a lower bound of what decoding will allocate — one step's
+    logits and the token buffer of every row and beam — against the memory available."""
+    from ..generation.text import DEFAULT_MAX_NEW_TOKENS
+    from ..models import Transformer
+    from . import UserError
+    from .checks import check_fits
+
+    c = model.config
+    width = max(len(r) for r in rows)
+    t = args.max_new_tokens
+    if isinstance(model, Transformer):
+        limit = c.max_len if c.absolute_positions else None
+        if limit is not None and t is not None and t > limit - 1:
+            raise UserError(f"--max-new-tokens {t}: the decoder's positions end at the "
+                            f"model's max_len={limit} (at most {limit - 1} new tokens)")
+        vocab = c.tgt_vocab_size
+        total = 1 + (t or min(DEFAULT_MAX_NEW_TOKENS, (limit or 10**9) - 1))
+    else:
+        room = c.max_len - width + 1
+        if t is not None and t > room:
+            raise UserError(f"--max-new-tokens {t}: a prompt of {width} tokens leaves room "
+                            f"for {max(room, 0)} in the model's max_len={c.max_len}")
+        vocab, total = c.vocab_size, width + (t or min(DEFAULT_MAX_NEW_TOKENS, room))
+    decoding_rows = min(len(rows), 64) * args.beams
+    check_fits(f"--beams {args.beams} with --max-new-tokens {t or 'default'} "
+               f"({decoding_rows} rows × {total} tokens, vocabulary {vocab})",
+               decoding_rows * (4 * vocab + 8 * total))
 
 
 def warn_unknown(tok: Any, texts: list[str]) -> None:
@@ -136,15 +177,6 @@ def _load(run: str, want: str) -> tuple[Any, Any, dict]:
     return model, tokenizer, info
 
 
-def _check_decoding(args: argparse.Namespace) -> None:
-    from . import UserError
-
-    if args.beams < 1:
-        raise UserError(f"--beams must be >= 1, got {args.beams}")
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-
-
 def _run_generate(args: argparse.Namespace) -> int:
     import torch
 
@@ -152,7 +184,6 @@ def _run_generate(args: argparse.Namespace) -> int:
     from ..train.checkpoint import trained_on_pairs
     from . import UserError
 
-    _check_decoding(args)
     sampling = [f for f, v in (("--temperature", args.temperature), ("--top-k", args.top_k),
                                ("--top-p", args.top_p)) if v is not None]
     if sampling and not args.sample:
@@ -161,8 +192,11 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise UserError("--sample and --beams > 1 cannot be combined")
     model, tok, info = _load(args.run, "gpt")
     warn_unknown(tok, args.prompt)
+    framed = trained_on_pairs(info)
+    _check_sizes(model, [[tok.bos_id, *tok.encode(p), tok.eos_id] if framed else tok.encode(p)
+                         for p in args.prompt], args)
     generator = None if args.seed is None else torch.Generator().manual_seed(args.seed)
-    outputs = complete(model, tok, args.prompt, framed=trained_on_pairs(info),
+    outputs = complete(model, tok, args.prompt, framed=framed,
                        max_new_tokens=args.max_new_tokens, num_beams=args.beams,
                        length_penalty=args.length_penalty, do_sample=args.sample,
                        temperature=1.0 if args.temperature is None else args.temperature,
@@ -195,10 +229,10 @@ def _inputs(args: argparse.Namespace) -> list[str]:
 def _run_translate(args: argparse.Namespace) -> int:
     from ..generation import translate
 
-    _check_decoding(args)
     sources = _inputs(args)
     model, tok, _ = _load(args.run, "transformer")
     warn_unknown(tok, sources)
+    _check_sizes(model, [[*tok.encode(s), tok.eos_id] for s in sources], args)
     outputs = translate(model, tok, sources, max_new_tokens=args.max_new_tokens,
                         num_beams=args.beams, length_penalty=args.length_penalty,
                         stop_tokens=_stop_tokens(tok, args.stop))

@@ -8,14 +8,20 @@ import time
 
 
 def run_tour(args: argparse.Namespace) -> int:
-    """Print the tour; ``args.length`` is the relative-position part's sequence length."""
+    """Print the tour; ``args.length`` is the relative-position part's sequence length N,
+    ``args.seed`` seeds the random inputs. Refuses (``UserError``) an N whose inputs and
+    output, 4 × (1, 8, N, 64) fp32, cannot fit the memory available."""
     import torch
 
     import qkv
     from qkv.masks import Causal, Padding
     from qkv.positions import ALiBi, ShawRelative, T5Bias
 
-    torch.manual_seed(0)
+    from .checks import check_fits
+
+    check_fits(f"--length {args.length} (q, k, v and the output, 4 × 1×8×N×64 fp32)",
+               4 * 8 * args.length * 64 * 4)
+    torch.manual_seed(args.seed)
     print("qkv demo — one attention core, one mask convention (True = may attend)\n")
     print("Causal masks for N=2 queries, S=5 keys:")
     for alignment in ("bottom_right", "top_left"):

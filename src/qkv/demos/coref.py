@@ -50,6 +50,7 @@ from ..data import (
 )
 from ..models import BERT, BERTConfig
 from ..models.hub import atomic_write
+from ..outputs import new_output_dir
 
 __all__ = ["CHANCE", "coref_batch", "coref_model", "evaluate_coref", "pronoun_noun_attention",
            "run_coref_demo", "showcase_sentences", "train_coref"]
@@ -249,7 +250,8 @@ def _percent(x: float) -> str:
 
 def run_coref_demo(*, out: str | None = None, quick: bool = False, seed: int = 0) -> int:
     """Train, evaluate and report (see the module docstring); write the run directory
-    (``out``, default runs/demo-coref-<timestamp>). ``quick``: 60 small steps and 200
+    (``out``, new or empty — ``qkv.outputs.new_output_dir`` — default
+    runs/demo-coref-<timestamp>). ``quick``: 60 small steps and 200
     held-out sentences (seconds; accuracy stays low). Returns 0.
 
     Runs on one CPU thread (restored after): the model is so small that more threads only
@@ -264,9 +266,8 @@ def run_coref_demo(*, out: str | None = None, quick: bool = False, seed: int = 0
 
 def _run(*, out: str | None, quick: bool, seed: int) -> int:
     settings = _QUICK if quick else _FULL
-    run = Path(out) if out is not None else Path("runs") / time.strftime(
-        "demo-coref-%Y%m%d-%H%M%S")
-    run.mkdir(parents=True, exist_ok=True)
+    run = new_output_dir(out if out is not None else Path("runs") / time.strftime(
+        "demo-coref-%Y%m%d-%H%M%S"))
     torch.manual_seed(seed)
     tok = WordTokenizer(coref_vocabulary())
     model = coref_model(tok.vocab_size)

@@ -98,7 +98,7 @@ def complete(model: nn.Module, tokenizer: Any, prompts: list[str], *, framed: bo
              max_new_tokens: int | None = None, batch_size: int = 64,
              stop_tokens: Sequence[int] = (), **decoding: Any) -> list[str]:
     """A GPT's answers (``framed``: prompt read as bos + prompt + eos, answer up to eos) or
-    continuations (plain text: prompt + continuation) for prompt strings.
+    continuations (plain text: the prompt as given + continuation) for prompt strings.
 
     Args:
         model, tokenizer: e.g. ``qkv.train.load_run(run)``.
@@ -135,6 +135,15 @@ def complete(model: nn.Module, tokenizer: Any, prompts: list[str], *, framed: bo
         budget = max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, room)
         new = complete_ids(model, rows, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
                            max_new_tokens=budget, stop_tokens=stop_tokens, **decoding)
-        out += [tokenizer.decode(ids if framed else prompt + ids)
-                for ids, prompt in zip(new, rows, strict=True)]
+        out += [tokenizer.decode(ids) if framed else text + _continuation(tokenizer, prompt, ids)
+                for ids, prompt, text in zip(new, rows, texts, strict=True)]
     return out
+
+
+def _continuation(tokenizer: Any, prompt: list[int], new: list[int]) -> str:
+    """The text that ``new`` ids add after ``prompt`` ids: decoded together (so that a
+    tokenizer joining pieces across the boundary joins them as in one text) less the
+    prompt's own decoding; the prompt is shown to the user as typed, not as decoded (which
+    drops characters the tokenizer does not know)."""
+    whole, head = tokenizer.decode(prompt + new), tokenizer.decode(prompt)
+    return whole[len(head):] if whole.startswith(head) else tokenizer.decode(new)
