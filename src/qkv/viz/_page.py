@@ -15,10 +15,14 @@ h1 { font-size: 1.3em; margin: 0 0 .6em 0; }
 .tok { display: inline-flex; flex-direction: column; align-items: center; min-width: 1.6em;
        padding: 2px 4px; border: 1px solid #ccd; border-radius: 4px; cursor: pointer;
        white-space: pre; }
-.tok .num { font-size: .7em; color: inherit; opacity: .85; min-height: 1em; }
+.tok .num { font-size: .7em; color: inherit; opacity: .85; min-height: 1em;
+            font-variant-numeric: tabular-nums; }
 .tok.active { outline: 2px solid #e11d48; }
 .tok.pinned { outline: 3px solid #e11d48; }
-#info { margin: .6em 0; min-height: 1.4em; font-size: .9em; white-space: pre-wrap; }
+/* one line of fixed height (the full text is its title): were it to wrap to more or fewer
+   lines as the hover changes, the matrix below would move under a still cursor */
+#info { margin: .6em 0; height: 1.4em; line-height: 1.4em; font-size: .9em; white-space: pre;
+        overflow: hidden; text-overflow: ellipsis; }
 #matrix-box { overflow: auto; max-height: 70vh; }
 #matrix { border-collapse: collapse; font-size: .7em; }
 #matrix td { width: 1.4em; height: 1.4em; border: 1px solid #eee; padding: 0; }
@@ -58,6 +62,7 @@ JS = """
   function onHover(node, show) {
     node.addEventListener("mouseenter", function () { if (state.pinned === null) { show(); } });
   }
+  function say(text) { info.textContent = text; info.title = text; }
   function fmt(w) { return w.toFixed(data.decimals); }
   function currentMap() { return data.maps[Number(mapSel.value)]; }
   function matrix() {
@@ -91,6 +96,9 @@ JS = """
     var s = el("span", "tok");
     s.appendChild(el("span", "text", shown(tok)));
     var num = el("span", "num", "");
+    // room for "0.dddd" from the start: a token must not change width when its number
+    // appears, or the token under the cursor would change (and take the hover) under it
+    num.style.minWidth = (data.decimals + 2) + "ch";
     s.appendChild(num);
     s.title = kind + " " + index + ": " + JSON.stringify(tok);
     return { span: s, num: num };
@@ -125,7 +133,7 @@ JS = """
     state.rows = [];
     var mat = matrix();
     if (m.queries.length * m.keys.length > MATRIX_MAX) {
-      info.textContent = "(matrix view skipped: more than " + MATRIX_MAX + " cells)";
+      say("(matrix view skipped: more than " + MATRIX_MAX + " cells)");
       return;
     }
     var scale = relative.checked ? scaleOf(mat) : 1;
@@ -177,8 +185,8 @@ JS = """
       shade(state.kSpans[j], row[j], scale);
       state.kNums[j].textContent = fmt(row[j]);
     }
-    info.textContent = m.query_label + " " + i + " " + JSON.stringify(m.queries[i]) +
-      " attends most to: " + top3(row.map(function (w, j) { return [m.keys[j], w]; }));
+    say(m.query_label + " " + i + " " + JSON.stringify(m.queries[i]) +
+      " attends most to: " + top3(row.map(function (w, j) { return [m.keys[j], w]; })));
   }
   function showKey(j) {
     var m = currentMap(), mat = matrix(), scale = scaleOf(mat);
@@ -188,8 +196,8 @@ JS = """
       shade(state.qSpans[i], mat[i][j], scale);
       state.qNums[i].textContent = fmt(mat[i][j]);
     }
-    info.textContent = m.key_label + " " + j + " " + JSON.stringify(m.keys[j]) +
-      " is attended most by: " + top3(mat.map(function (r, i) { return [m.queries[i], r[j]]; }));
+    say(m.key_label + " " + j + " " + JSON.stringify(m.keys[j]) +
+      " is attended most by: " + top3(mat.map(function (r, i) { return [m.queries[i], r[j]]; })));
   }
   function pin(kind, index) {
     if (state.pinned !== null && state.pinned[0] === kind && state.pinned[1] === index) {
