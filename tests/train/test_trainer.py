@@ -3,8 +3,10 @@ checkpoints, the NaN stop, the three model kinds on tasks and files."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -121,6 +123,33 @@ def test_a_kill_between_the_two_renames_falls_back_to_the_old_checkpoint(tmp_pat
     assert (run / "checkpoint").exists() and not (run / "checkpoint.old").exists()
 
 
+def test_a_stale_checkpoint_tmp_is_cleared_before_a_save(tmp_path):
+    """A save killed midway leaves RUN/checkpoint.tmp behind: the next save must start from
+    an empty directory, so the checkpoint holds exactly what a clean save writes (no stale
+    file — a pickle among them — rides along) and loads."""
+    Trainer(config(steps=1, eval_every=1), tmp_path / "clean", **quiet()).run()
+    Trainer.resume(tmp_path / "clean", steps=2, **quiet()).run()
+    expected = sorted(p.name for p in (tmp_path / "clean/checkpoint").iterdir())
+
+    run = tmp_path / "run"
+    Trainer(config(steps=1, eval_every=1), run, **quiet()).run()
+    stale = run / "checkpoint.tmp"
+    (stale / "nested").mkdir(parents=True)
+    for name in ("pytorch_model.bin", "adapter_model.safetensors", "model.safetensors",
+                 "trainer_state.json", "nested/junk.txt"):
+        (stale / name).write_bytes(b"stale bytes from a killed save")
+    Trainer.resume(run, steps=2, **quiet()).run()
+
+    assert not stale.exists()
+    assert sorted(p.name for p in (run / "checkpoint").iterdir()) == expected
+    assert json.loads((run / "checkpoint/trainer_state.json").read_text())["step"] == 2
+    a, b = weights(tmp_path / "clean"), weights(run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    resumed = Trainer.resume(run, steps=3, **quiet())
+    assert resumed.step == 2
+    resumed.run()
+
+
 def test_a_nan_loss_stops_training_naming_the_step(tmp_path, monkeypatch):
     run = tmp_path / "run"
     trainer = Trainer(config(), run, **quiet())
@@ -195,14 +224,57 @@ def test_bad_settings_are_named(kw, match):
         config(**kw)
 
 
-def test_bert_mlm_on_a_text_file(tmp_path):
-    """Text windows are W + 1 tokens (the GPT shift); BERT reads W = its max_len."""
-    text = tmp_path / "corpus.txt"
-    text.write_text("the cat sat on the mat because it was tired. " * 50)
-    cfg = config(model="bert-mlm", preset="bert-tiny", task=None, data=str(text), max_len=16,
-                 overrides=dict(dim=32, num_heads=2), steps=2, eval_every=2, batch_size=4)
+def test_bert_mlm_on_a_text_file(tmp_path, monkeypatch):
+    """Text windows are W + 1 tokens (the GPT shift); BERT reads W = its max_len. The
+    evaluation's masked accuracy and loss are recomputed from the saved model's own logits on
+    the batches evaluation built, and those batches must be held-out windows: W consecutive
+    tokens of the text's tail, corrupted only where a label is set."""
+    rng = random.Random(0)  # random letters: a window of 16 occurs once in the whole text
+    text = "".join(rng.choice("abcdefghij ") for _ in range(3000))
+    (tmp_path / "corpus.txt").write_text(text)
+    evaluation = importlib.import_module("qkv.train.evaluate")
+    built: list[dict[str, torch.Tensor]] = []
+    real_make_batch = evaluation.make_batch
+
+    def spy(*args, **kwargs):
+        built.append(real_make_batch(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(evaluation, "make_batch", spy)
+    cfg = config(model="bert-mlm", preset="bert-tiny", task=None,
+                 data=str(tmp_path / "corpus.txt"), max_len=16,
+                 overrides=dict(dim=32, num_heads=2), steps=2, eval_every=2, batch_size=4,
+                 eval_examples=32)
     result = Trainer(cfg, tmp_path / "mlm", **quiet()).run()
-    assert 0 <= result["masked_accuracy"] <= 1
+
+    model, tok = load_run(tmp_path / "mlm")
+    stream = tok.encode(text)
+    tail = stream[-max(len(stream) // 20, 17):]  # the held-out part: well under 20 % of it
+    head = stream[:len(stream) - len(stream) // 5]
+    correct, total, loss = 0, 0, 0.0
+    assert built
+    for batch in built:
+        labels, ids = batch["labels"], batch["ids"]
+        assert ids.shape[1] == 16 and batch["attention_mask"].all()
+        original = torch.where(labels != -100, labels, ids)
+        for row in original.tolist():
+            assert _contains(tail, row) and not _contains(head, row), row
+        assert ((labels != -100).sum(dim=1) >= 1).all()
+        with torch.no_grad():
+            logits = model.masked_lm(ids, batch["attention_mask"])  # (B, W, V)
+        sel = labels != -100
+        correct += int((logits.argmax(-1)[sel] == labels[sel]).sum())
+        total += int(sel.sum())
+        loss += float(torch.nn.functional.cross_entropy(logits[sel].double(), labels[sel],
+                                                        reduction="sum"))
+    assert total >= 10 and 0 < correct < total  # so that equality below says something
+    assert result["masked_accuracy"] == correct / total  # the same argmaxes, counted apart
+    assert result["eval_loss"] == pytest.approx(loss / total, rel=1e-5)
+
+
+def _contains(stream: list[int], row: list[int]) -> bool:
+    n = len(row)
+    return any(stream[i:i + n] == row for i in range(len(stream) - n + 1))
 
 
 def test_a_corrupt_trainer_state_is_a_checkpoint_error(tmp_path):

@@ -1,7 +1,8 @@
 """Search loops over a stepper: greedy / sampling, and beam search (HuggingFace's rules).
 
 Shapes: B batch, K beams, R = B·K rows, V vocab size, T new tokens (at most
-``max_new_tokens``).
+``max_new_tokens``), M candidates kept per beam-search step (2K, more with several stop
+tokens).
 
 Both loops return the new tokens only, (B, T); rows that ended (eos) are filled with the pad
 id after their eos. The loops stop early once every row has ended.
@@ -85,8 +86,10 @@ def beam_search(stepper: Stepper, batch: int, beams: int, max_new_tokens: int, *
                 length_penalty: float, eos: Tensor | None, pad: int,
                 device: torch.device) -> Tensor:
     """Beam search with HuggingFace's rules (``transformers`` 4.5x+/5.x ``_beam_search`` with
-    its default ``early_stopping=False``): each step keeps the top 2K continuations of the
-    K·V candidates by summed log-probability; those among the first K that end in ``eos``
+    its default ``early_stopping=False``): each step keeps the top M = max(2, 1 + E)·K
+    continuations of the K·V candidates by summed log-probability (E: the number of stop
+    tokens in ``eos``, so that K of them can continue even when every stop token is among the
+    best of every beam); those among the first K that end in ``eos``
     (or reach ``max_new_tokens``) become finished hypotheses scored ``sum / T_h **
     length_penalty`` (T_h: the hypothesis' new tokens, eos included); the best K unfinished
     continue. A batch item stops once its best running score divided by the current length
@@ -105,17 +108,19 @@ def beam_search(stepper: Stepper, batch: int, beams: int, max_new_tokens: int, *
     done_flags = torch.zeros(batch, k, dtype=torch.bool, device=device)
     done_lens = torch.zeros(batch, k, dtype=torch.long, device=device)
     open_items = torch.ones(batch, 1, dtype=torch.bool, device=device)  # may still improve
-    top_k_mask = torch.arange(2 * k, device=device) < k  # (2K,)
+    n_stop = 0 if eos is None else int(eos.numel())
+    keep_m = max(2, 1 + n_stop) * k  # M: HF's beams_to_keep
+    top_k_mask = torch.arange(keep_m, device=device) < k  # (M,)
     offsets = (torch.arange(batch, device=device) * k)[:, None]  # (B, 1)
     logits = stepper.prefill()
     for t in range(max_new_tokens):
         vocab = logits.shape[-1]
         logp = torch.log_softmax(logits.float(), dim=-1).view(batch, k, vocab)
         logp = (logp + run_scores[:, :, None]).view(batch, k * vocab)
-        top_scores, top_idx = logp.topk(2 * k, dim=-1)  # (B, 2K)
+        top_scores, top_idx = logp.topk(keep_m, dim=-1)  # (B, M)
         src_beam = top_idx // vocab
         tokens = top_idx % vocab
-        cand = _gather(running, src_beam)  # (B, 2K, T)
+        cand = _gather(running, src_beam)  # (B, M, T)
         cand[:, :, t] = tokens
         if t + 1 == max_new_tokens:
             hits = torch.ones_like(tokens, dtype=torch.bool)
