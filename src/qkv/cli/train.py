@@ -12,6 +12,7 @@ from typing import Any
 EXAMPLES = """examples:
   qkv train --task dates --steps 1000 --out runs/dates
   qkv train --resume runs/dates --steps 2000          # continue the same run to step 2000
+  qkv train --resume runs/mine --accept-changed-data  # continue although --data was edited
   qkv train --task reverse --preset transformer-small --set dim=128 --set dropout=0.0
   qkv train --data pairs.tsv --tokenizer bpe --bpe-vocab-size 2000 --steps 5000
   qkv train --model gpt --data corpus.txt --max-len 256 --schedule cosine --lr 6e-4
@@ -24,6 +25,9 @@ EXAMPLES = """examples:
 gpt / bert-mlm. --steps always counts the optimizer steps of the whole run. The run directory
 holds run.json, metrics.jsonl and checkpoint/ (config.json, model.safetensors, tokenizer.json,
 trainer state): load it with qkv.train.load_run(DIR) or Model.from_pretrained(DIR/checkpoint).
+One process writes a run directory at a time (RUN/.lock while it trains); a second qkv train
+on the same --out or --resume is refused, naming the holder's pid. Before anything is
+written, settings, data, model sizes and memory are checked: what is refused leaves nothing.
 """
 
 #: (flag, TrainConfig field, type, help); every one defaults to the TrainConfig default
@@ -63,6 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "<time>)")
     p.add_argument("--resume", default=None, metavar="RUN",
                    help="continue the run in RUN up to --steps (its own settings otherwise)")
+    p.add_argument("--accept-changed-data", action="store_true",
+                   help="with --resume: continue even though the --data file changed since the "
+                        "run began (it is then no longer the same run)")
     p.add_argument("--device", default="auto",
                    help="auto (CUDA when available, default), cpu, cuda or cuda:N; under "
                         "torchrun cuda means each rank's cuda:LOCAL_RANK (nccl)")
@@ -85,7 +92,22 @@ def _overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
+#: TrainConfig field -> the flag that sets it
+_FLAGS = {field: flag for flag, field, _, _ in _SETTINGS} | {"overrides": "--set"}
+
+
 def _run(args: argparse.Namespace) -> int:
+    from ..train.config import ConfigError
+    from . import UserError
+
+    try:
+        return _train(args)
+    except ConfigError as exc:  # name the flag a user typed, not only the field
+        flag = _FLAGS.get(exc.field)
+        raise UserError(f"{flag}: {exc}" if flag else str(exc)) from exc
+
+
+def _train(args: argparse.Namespace) -> int:
     from ..train import TrainConfig, Trainer, TrainingError
     from . import UserError
 
@@ -99,9 +121,13 @@ def _run(args: argparse.Namespace) -> int:
             raise UserError(f"--resume continues a run with its own settings; only --steps may "
                             f"be given with it (got {', '.join(extra)})")
         trainer = Trainer.resume(args.resume, steps=given.get("steps"), progress=progress,
-                                 device=args.device)
+                                 device=args.device,
+                                 accept_changed_data=args.accept_changed_data)
         out = Path(args.resume)
     else:
+        if args.accept_changed_data:
+            raise UserError("--accept-changed-data goes with --resume (a new run records the "
+                            "data file as it is)")
         if "data" in given and "task" not in given:
             given["task"] = None
         if "data" in given and not Path(given["data"]).is_file():

@@ -46,18 +46,34 @@ def atomic_write(path: Path, write) -> None:
     """Call ``write(tmp_path)`` then rename the temporary file onto ``path``: a reader (or a
     process killed mid-write) sees the old file or the new one, never half of one. The file
     gets the permissions a plain ``open(path, "w")`` would (0666 less the umask), not the
-    temporary file's private 0600."""
+    temporary file's private 0600. The file is fsynced before the rename and its directory
+    after it, so a power cut leaves the old file or the complete new one."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         write(tmp)
         os.chmod(tmp, _FILE_MODE)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the data on disk before the name points at it
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    try:  # the rename itself on disk; some platforms cannot sync a directory
+        fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def read_json(path: Path) -> dict:

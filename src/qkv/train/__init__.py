@@ -4,16 +4,18 @@ directory, and data parallelism under torchrun.
 
 Public names: ``Trainer``, ``TrainConfig``, ``TrainingError``, ``load_run``,
 ``find_checkpoint``, ``save_checkpoint``, ``load_trainer_state``, ``lr_multiplier``,
-``SCHEDULES``, ``exact_match``, ``build_model``. (Decoding strings with a trained model:
+``SCHEDULES``, ``exact_match``, ``build_model``, ``RunDirLock`` / ``RunDirBusyError`` (one
+writer per run directory). (Decoding strings with a trained model:
 ``qkv.generation.translate`` / ``complete``.)
 """
 
 from .checkpoint import find_checkpoint, load_run, load_trainer_state, save_checkpoint
 from .config import TrainConfig
 from .evaluate import exact_match
+from .rundir import RunDirBusyError, RunDirLock
 from .schedules import SCHEDULES, lr_multiplier
 from .trainer import Trainer, TrainingError, build_model
 
-__all__ = ["SCHEDULES", "TrainConfig", "Trainer", "TrainingError", "build_model",
-           "exact_match", "find_checkpoint", "load_run", "load_trainer_state", "lr_multiplier",
-           "save_checkpoint"]
+__all__ = ["SCHEDULES", "RunDirBusyError", "RunDirLock", "TrainConfig", "Trainer",
+           "TrainingError", "build_model", "exact_match", "find_checkpoint", "load_run",
+           "load_trainer_state", "lr_multiplier", "save_checkpoint"]

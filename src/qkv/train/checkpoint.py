@@ -2,7 +2,9 @@
 
 A run directory written by ``qkv train --out RUN``::
 
-    RUN/run.json               the training configuration (what ``--resume`` continues)
+    RUN/.lock                  while a process writes RUN: its pid (``qkv.train.rundir``)
+    RUN/run.json               the training configuration (what ``--resume`` continues),
+                               with the data file's size and SHA-256
     RUN/metrics.jsonl          one JSON object per logged step / evaluation
     RUN/checkpoint/            the latest checkpoint, complete and self-contained:
         config.json, model.safetensors   the model (``Model.from_pretrained(RUN/checkpoint)``)
@@ -14,7 +16,10 @@ A run directory written by ``qkv train --out RUN``::
 A checkpoint is written into ``RUN/checkpoint.tmp`` and then swapped in by renames
 (``checkpoint`` -> ``checkpoint.old``, ``checkpoint.tmp`` -> ``checkpoint``, old removed):
 a process killed at any point leaves a complete checkpoint under ``checkpoint`` or, between
-the two renames, ``checkpoint.old``, which ``find_checkpoint`` falls back to.
+the two renames, ``checkpoint.old``, which ``find_checkpoint`` falls back to. Every file of
+the new checkpoint and its directory are fsynced before the renames, and the run directory
+after them, so a power cut cannot leave a renamed-in checkpoint whose files are still empty.
+Only one process writes a run directory at a time (``qkv.train.rundir.RunDirLock``).
 """
 
 from __future__ import annotations
@@ -32,16 +37,35 @@ from torch import nn
 from ..models import BERT, GPT, CheckpointError, Transformer
 from ..models.hub import atomic_write, read_json
 
-__all__ = ["CHECKPOINT_DIR", "MODEL_CLASSES", "find_checkpoint", "load_run",
+__all__ = ["CHECKPOINT_DIR", "MODEL_CLASSES", "OLD_DIR", "TMP_DIR", "find_checkpoint", "load_run",
            "load_trainer_state", "read_run_info", "save_checkpoint", "trained_on_pairs"]
 
 CHECKPOINT_DIR = "checkpoint"
-_TMP, _OLD = "checkpoint.tmp", "checkpoint.old"
+TMP_DIR, OLD_DIR = "checkpoint.tmp", "checkpoint.old"
+_TMP, _OLD = TMP_DIR, OLD_DIR
 STATE_JSON, STATE_TENSORS = "trainer_state.json", "trainer_state.safetensors"
 
 #: config.json ``model_type`` -> model class
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qkv-transformer": Transformer, "qkv-gpt": GPT, "qkv-bert": BERT}
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file or a directory (its entries: renames, new files) to the disk. A
+    directory that cannot be opened for syncing (some platforms) is skipped."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        if Path(path).is_dir():
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not Path(path).is_dir():
+            raise
+    finally:
+        os.close(fd)
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -91,11 +115,16 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model: nn.Module, tokenizer: 
     atomic_write(tmp / STATE_TENSORS, lambda path: save_file(tensors, path))
     _write_json(tmp / STATE_JSON, {"step": step, "data_position": data_position,
                                    "optimizer": opt_json})
+    for path in sorted(tmp.iterdir()):  # durable before it becomes the checkpoint
+        if path.is_file():
+            _fsync(path)
+    _fsync(tmp)
     if final.exists():
         if old.exists():
             shutil.rmtree(old)
         os.replace(final, old)
     os.replace(tmp, final)
+    _fsync(run_dir)
     if old.exists():
         shutil.rmtree(old)
     return final

@@ -4,14 +4,59 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from .data import MODEL_KINDS
 from .schedules import SCHEDULES
 
-__all__ = ["DEFAULT_PRESETS", "TOKENIZERS", "TrainConfig"]
+__all__ = ["BPE_MIN_VOCAB", "DEFAULT_PRESETS", "SEED_MAX", "TOKENIZERS", "ConfigError",
+           "TrainConfig"]
 
 TOKENIZERS = ("char", "bpe")
+#: the smallest BPE vocabulary: 4 specials + the 256 byte tokens
+BPE_MIN_VOCAB = 260
+#: the largest seed (torch's generators take 64-bit seeds; derived seeds wrap modulo 2**64)
+SEED_MAX = 2**63 - 1
+#: (field, low, high, low open, high open) of the float settings; None: unbounded
+_FLOAT_RANGES: tuple[tuple[str, float, float | None, bool, bool], ...] = (
+    ("lr", 0.0, None, True, False),
+    ("min_lr_ratio", 0.0, 1.0, False, False),
+    ("weight_decay", 0.0, None, False, False),
+    ("adam_eps", 0.0, None, True, False),
+    ("label_smoothing", 0.0, 1.0, False, True),
+    ("clip_norm", 0.0, None, False, False),
+)
+
+
+class ConfigError(ValueError):
+    """A training setting out of range or of the wrong type; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _in_range(value: Any, low: float, high: float | None, low_open: bool,
+              high_open: bool) -> bool:
+    """A finite real number (not a bool) in the range; False for NaN, inf, strings."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if not math.isfinite(value):
+        return False
+    if value < low or (low_open and value == low):
+        return False
+    return high is None or not (value > high or (high_open and value == high))
+
+
+def _range_text(low: float, high: float | None, low_open: bool, high_open: bool) -> str:
+    if high is None:
+        return f"{'>' if low_open else '>='} {low:g}"
+    return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
 #: the model preset used when ``preset`` is None
 DEFAULT_PRESETS = {"transformer": "transformer-tiny", "gpt": "gpt-tiny", "bert-mlm": "bert-tiny"}
 
@@ -40,7 +85,13 @@ class TrainConfig:
             examples per evaluation.
         max_len: longest sequence in tokens (text windows for language models); None: derived
             from the task or file.
-        seed: model initialisation, dropout, data order and MLM corruption.
+        seed: model initialisation, dropout, data order and MLM corruption; 0..``SEED_MAX``.
+        data_fingerprint: ``{"size": bytes, "sha256": hex}`` of ``data``, recorded by the
+            ``Trainer`` when the run starts so that a resume notices a changed file (None for
+            tasks, and in run.json files written before qkv recorded it).
+
+    Every number is checked when the config is made (finite, in range, the right type);
+    ``ConfigError`` (a ``ValueError``) names the field and its value.
     """
 
     model: str = "transformer"
@@ -65,33 +116,53 @@ class TrainConfig:
     eval_examples: int = 200
     max_len: int | None = None
     seed: int = 0
+    data_fingerprint: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        def bad(name: str, what: str) -> ConfigError:
+            return ConfigError(name, f"{name} must be {what}, got {getattr(self, name)!r}")
+
         if self.model not in MODEL_KINDS:
-            raise ValueError(f"model must be one of {MODEL_KINDS}, got {self.model!r}")
+            raise bad("model", f"one of {MODEL_KINDS}")
         if (self.task is None) == (self.data is None):
-            raise ValueError("give exactly one of a task (--task) or a data file (--data)")
+            raise ConfigError("task", "give exactly one of a task (--task) or a data file "
+                                      "(--data)")
+        for name in ("preset", "task", "data"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise bad(name, "a string or None")
+        if not isinstance(self.overrides, dict):
+            raise bad("overrides", "a dict of model config fields")
         if self.tokenizer not in TOKENIZERS:
-            raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {self.tokenizer!r}")
+            raise bad("tokenizer", f"one of {TOKENIZERS}")
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        for name in ("steps", "batch_size", "eval_every", "eval_examples", "bpe_vocab_size"):
+            raise bad("schedule", f"one of {SCHEDULES}")
+        for name in ("steps", "batch_size", "eval_every", "eval_examples"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise bad(name, "a positive integer")
+        if not _is_int(self.bpe_vocab_size) or self.bpe_vocab_size < BPE_MIN_VOCAB:
+            raise bad("bpe_vocab_size", f"an integer >= {BPE_MIN_VOCAB} (4 specials + 256 "
+                                        f"bytes)")
+        if not _is_int(self.warmup) or self.warmup < 0:
+            raise bad("warmup", "an integer >= 0")
+        if self.max_len is not None and (not _is_int(self.max_len) or self.max_len < 2):
+            raise bad("max_len", "an integer >= 2 (or None: derived from the data)")
+        if not _is_int(self.seed) or not 0 <= self.seed <= SEED_MAX:
+            raise bad("seed", f"an integer in 0..{SEED_MAX}")
+        # floats: finite first, so that NaN never slips through a comparison
+        for name, low, high, low_open, high_open in _FLOAT_RANGES:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_len is not None and self.max_len < 2:
-            raise ValueError(f"max_len must be >= 2, got {self.max_len}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
-        if not 0 <= self.label_smoothing < 1:
-            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        if self.clip_norm < 0:
-            raise ValueError(f"clip_norm must be >= 0 (0: no clipping), got {self.clip_norm}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+            if not _in_range(value, low, high, low_open, high_open):
+                raise bad(name, "a finite number " + _range_text(low, high, low_open, high_open))
+        betas = self.betas
+        if (not isinstance(betas, (tuple, list)) or len(betas) != 2
+                or not all(_in_range(b, 0.0, 1.0, False, True) for b in betas)):
+            raise bad("betas", "two finite numbers in [0, 1)")
+        object.__setattr__(self, "betas", tuple(float(b) for b in betas))
+        fp = self.data_fingerprint
+        if fp is not None and not (
+                isinstance(fp, dict) and set(fp) == {"size", "sha256"} and _is_int(fp["size"])
+                and isinstance(fp["sha256"], str) and len(fp["sha256"]) == 64):
+            raise bad("data_fingerprint", 'None or {"size": bytes, "sha256": 64 hex digits}')
 
     @property
     def model_preset(self) -> str:

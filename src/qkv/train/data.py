@@ -117,6 +117,12 @@ class TextData:
         return self._windows(self.held, [i * self.window for i in range(n)])
 
 
+def _derived_seed(seed: int, k: int) -> int:
+    """The generator seed of item ``k`` (an epoch, a step) of a run seeded ``seed``, wrapped
+    into torch's 64-bit seed range (unchanged for every seed where it did not overflow)."""
+    return (seed * 1_000_003 + k) % 2**64
+
+
 def _epoch_indices(n: int, start: int, count: int, seed: int) -> list[int]:
     """Items ``start .. start + count - 1`` of the concatenation of per-epoch permutations of
     range(n), epoch e shuffled by a generator seeded with (seed, e)."""
@@ -125,7 +131,7 @@ def _epoch_indices(n: int, start: int, count: int, seed: int) -> list[int]:
     for pos in range(start, start + count):
         epoch, i = divmod(pos, n)
         if epoch not in perms:
-            g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+            g = torch.Generator().manual_seed(_derived_seed(seed, epoch))
             perms[epoch] = torch.randperm(n, generator=g).tolist()
         out.append(perms[epoch][i])
     return out
@@ -183,7 +189,7 @@ def _mlm_batch(rows: list[list[int]], tokenizer: Any, *, step: int, seed: int
     ids = _pad(rows, tokenizer.pad_id)  # (B, N)
     keep = ids != tokenizer.pad_id
     special = keep & ((ids == tokenizer.bos_id) | (ids == tokenizer.eos_id))
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    g = torch.Generator().manual_seed(_derived_seed(seed, step))
     chosen = (torch.rand(ids.shape, generator=g) < MLM_FRACTION) & keep & ~special
     # every row predicts at least one token (its first real non-special one if none chosen)
     candidates = keep & ~special

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["World", "all_reduce_sum", "barrier", "resolve_device", "setup_world",
-           "teardown_world"]
+__all__ = ["World", "all_reduce_sum", "barrier", "broadcast_object", "resolve_device",
+           "setup_world", "teardown_world"]
 
 
 @dataclass(frozen=True)
@@ -85,3 +85,13 @@ def barrier(world: World) -> None:
     """Wait for every rank (nothing in a 1-process world)."""
     if world.size > 1:
         dist.barrier()
+
+
+def broadcast_object(obj: object, world: World) -> object:
+    """Rank 0's ``obj`` on every rank (``obj`` itself in a 1-process world): e.g. rank 0's
+    verdict on the run-directory lock, so that every rank stops when it is refused."""
+    if world.size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

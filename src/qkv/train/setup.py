@@ -3,12 +3,13 @@ character or BPE tokenizer fitted to it, and the context length the model needs.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from .config import TrainConfig
 from .data import PairData, TextData
 
-__all__ = ["DEFAULT_TEXT_WINDOW", "load_data", "prepare_data"]
+__all__ = ["DEFAULT_TEXT_WINDOW", "check_model_fits_data", "load_data", "prepare_data"]
 
 #: tokens per training window of a plain-text file when ``max_len`` is not given
 DEFAULT_TEXT_WINDOW = 128
@@ -32,8 +33,9 @@ def _read(config: TrainConfig) -> tuple[Any, list[str]]:
     return text, [text]
 
 
-def prepare_data(config: TrainConfig) -> tuple[PairData | TextData, Any, int]:
-    """Data, a new tokenizer fitted to it, and the context length (tokens) of the model."""
+def prepare_data(config: TrainConfig) -> tuple[PairData | TextData, Any, int, int]:
+    """Data, a new tokenizer fitted to it, the context length (tokens) of the model, and the
+    longest sequence a training step holds (tokens; at most the context length)."""
     from ..data import BPETokenizer, CharTokenizer
 
     raw, texts = _read(config)
@@ -44,18 +46,33 @@ def prepare_data(config: TrainConfig) -> tuple[PairData | TextData, Any, int]:
                      else CharTokenizer.from_texts(texts))
     else:
         tokenizer = BPETokenizer.train(texts, vocab_size=config.bpe_vocab_size)
-    return _data(config, raw, tokenizer, None), tokenizer, _max_len(config, raw, tokenizer)
+    need, max_len = _max_len(config, raw, tokenizer)
+    return _data(config, raw, tokenizer, None), tokenizer, max_len, need
 
 
 def load_data(config: TrainConfig, tokenizer: Any, max_len: int) -> PairData | TextData:
-    """The data of a run being resumed, with its saved tokenizer and context length."""
+    """The data of a run being resumed, with its saved tokenizer and context length.
+
+    Raises:
+        ValueError: a pairs file whose longest example no longer fits ``max_len`` (the file
+            changed since the run began).
+    """
     raw, _ = _read(config)
+    if config.task is None and _is_pairs(config):
+        need, _ = _max_len(dataclasses.replace(config, max_len=None), raw, tokenizer)
+        if need > max_len:
+            raise ValueError(f"--data {config.data}: its longest example needs {need} tokens "
+                             f"with its special tokens, beyond the model's max_len={max_len} "
+                             f"(the file changed since the run began); restore the file or "
+                             f"start a new run on it")
     return _data(config, raw, tokenizer, max_len)
 
 
-def _max_len(config: TrainConfig, raw: Any, tokenizer: Any) -> int:
+def _max_len(config: TrainConfig, raw: Any, tokenizer: Any) -> tuple[int, int]:
+    """(tokens the longest example needs, the model's context length)."""
     if not _is_pairs(config):
-        return config.max_len or DEFAULT_TEXT_WINDOW
+        window = config.max_len or DEFAULT_TEXT_WINDOW
+        return window, window
     if config.task is not None:  # characters bound tokens from above (char or BPE)
         src, tgt = raw.max_source_len, raw.max_target_len
     else:
@@ -68,7 +85,28 @@ def _max_len(config: TrainConfig, raw: Any, tokenizer: Any) -> int:
         raise ValueError(f"max_len={config.max_len} is shorter than the longest example "
                          f"({need} tokens with its special tokens); raise --max-len or leave "
                          f"it out")
-    return config.max_len or need
+    return need, config.max_len or need
+
+
+def check_model_fits_data(model_config: Any, tokenizer: Any, max_len: int) -> None:
+    """Refuse a model config (after the user's ``--set`` overrides) whose vocabulary is
+    smaller than the tokenizer's or whose ``max_len`` is shorter than the data needs — errors
+    that would otherwise surface only at the first step.
+
+    Raises:
+        ValueError: naming the ``--set`` field, its value and what the data needs.
+    """
+    for field in ("vocab_size", "src_vocab_size", "tgt_vocab_size"):
+        size = getattr(model_config, field, None)
+        if size is not None and size < tokenizer.vocab_size:
+            raise ValueError(f"{field}={size} is smaller than the tokenizer's "
+                             f"{tokenizer.vocab_size} ids: leave --set {field} out (qkv sets "
+                             f"it from the data) or raise it to at least {tokenizer.vocab_size}")
+    limit = getattr(model_config, "max_len", None)
+    if limit is not None and limit < max_len:
+        raise ValueError(f"max_len={limit} is shorter than the {max_len} tokens of the data's "
+                         f"sequences: leave --set max_len out, or give --max-len (text "
+                         f"windows) instead")
 
 
 def _data(config: TrainConfig, raw: Any, tokenizer: Any, max_len: int | None

@@ -5,12 +5,19 @@ each step to RUN/metrics.jsonl, evaluates and checkpoints every ``eval_every`` s
 ``qkv.train.checkpoint`` for the run-directory layout), and stops with ``TrainingError`` on
 a non-finite loss or gradient. ``Trainer.resume(out_dir, steps=M)`` continues a run so that
 its losses and final weights are bit-identical (CPU) to an uninterrupted run of M steps.
+
+A run directory has one writer at a time: the Trainer holds ``qkv.train.rundir.RunDirLock``
+from before its first write until ``run()`` ends. Everything that can be checked is checked
+before anything is written (settings, model config against tokenizer and data, memory,
+run.json against the checkpoint, the data file's fingerprint): a refusal leaves no trace.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -20,14 +27,30 @@ from torch import Tensor, nn
 
 from ..models import BERT, GPT, BERTConfig, GPTConfig, Transformer, TransformerConfig
 from ..models.hub import CheckpointError, atomic_write, read_json
-from .checkpoint import find_checkpoint, load_run, load_trainer_state, save_checkpoint
+from .checkpoint import (
+    CHECKPOINT_DIR,
+    TMP_DIR,
+    find_checkpoint,
+    load_run,
+    load_trainer_state,
+    save_checkpoint,
+)
 from .config import TrainConfig
 from .data import make_batch
-from .distributed import all_reduce_sum, barrier, resolve_device, setup_world, teardown_world
+from .distributed import (
+    all_reduce_sum,
+    barrier,
+    broadcast_object,
+    resolve_device,
+    setup_world,
+    teardown_world,
+)
 from .evaluate import evaluate
 from .loss import token_loss
+from .memory import check_training_fits
+from .rundir import RunDirBusyError, RunDirLock, file_fingerprint, lock_holder
 from .schedules import lr_multiplier
-from .setup import load_data, prepare_data
+from .setup import check_model_fits_data, load_data, prepare_data
 
 __all__ = ["Trainer", "TrainingError", "build_model"]
 
@@ -86,14 +109,26 @@ class Trainer:
 
     Args:
         config: the ``TrainConfig``.
-        out_dir: the run directory (created; must not already hold a run unless resuming).
+        out_dir: the run directory (created; must not already hold a run unless resuming —
+            a directory whose run stopped before its first checkpoint may be started over).
         progress: show a progress bar (rank 0 only).
         log: a function taking one line of text (rank 0 only; default: print).
         device: "cpu" (default), "cuda", "cuda:N" or "auto" (CUDA when available); under
             torchrun "cuda" means each rank's ``cuda:LOCAL_RANK`` and the backend is nccl.
+        lock: a ``qkv.train.rundir.RunDirLock`` on ``out_dir`` the caller already holds (e.g.
+            a demo that writes more files after training); the Trainer then neither takes nor
+            releases the lock. Default: the Trainer takes it (rank 0) and releases it when
+            ``run()`` ends, on ``close()``, or when refused.
 
     Build with ``Trainer(config, out)`` for a new run or ``Trainer.resume(out, steps=M)``.
     ``run()`` trains up to ``config.steps`` and returns the final evaluation.
+
+    Before anything is written, a new run checks everything it can: the settings (in
+    ``TrainConfig``), the data, the model config against the tokenizer and the data's lengths,
+    and that one step fits in memory (``qkv.train.memory``); only then is the directory
+    created and locked. A resume takes the lock first, then checks that run.json agrees with
+    the checkpoint's copy and that the data file is unchanged (``accept_changed_data``), and
+    only then rewrites run.json. Whatever is refused leaves the directory as it was.
 
     Training is fp32, on one device per process; checkpoints are device-independent (the
     CPU RNG state, and the CUDA one when training on CUDA, are saved with them).
@@ -106,46 +141,125 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, out_dir: str | Path, *, progress: bool = True,
                  log: Any = print, device: str | torch.device | None = "cpu",
-                 _resume: bool = False) -> None:
+                 lock: RunDirLock | None = None, _resume: bool = False,
+                 _accept_changed_data: bool = False) -> None:
         self.config, self.out = config, Path(out_dir)
         self.progress, self.log = progress, log
+        if lock is not None and (not lock.held or lock.run_dir.resolve() != self.out.resolve()):
+            raise ValueError(f"lock must be a held RunDirLock on {self.out}, got {lock!r}")
+        self._lock, self._own_lock = lock, lock is None
         self.device = resolve_device(device)
         self.world = setup_world(self.device)
         try:
-            self._setup(config, _resume)
+            self._setup(config, _resume, _accept_changed_data)
         except BaseException:
-            teardown_world(self.world)  # a refused run must not leave the process group open
+            self.close()  # a refused run holds no lock and leaves no process group open
+            teardown_world(self.world)
             raise
 
-    def _setup(self, config: TrainConfig, _resume: bool) -> None:
+    # --- the run directory --------------------------------------------------------------------
+    def _take_lock(self) -> None:
+        """Rank 0 takes the run-directory lock; every rank raises if it was refused."""
+        verdict: str | None = None
+        if self.world.is_main and self._lock is None:
+            lock = RunDirLock(self.out)
+            try:
+                lock.acquire()
+            except RunDirBusyError as exc:
+                verdict = str(exc)
+            except OSError as exc:
+                verdict = f"{self.out}: cannot lock the run directory: {exc}"
+            else:
+                self._lock = lock
+        verdict = broadcast_object(verdict, self.world)  # type: ignore[assignment]
+        if verdict is not None:
+            raise RunDirBusyError(verdict)
+
+    def close(self) -> None:
+        """Release the run-directory lock if this Trainer took it (``run()`` does this when it
+        ends); idempotent."""
+        if self._own_lock and self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _claim_new_dir(self) -> None:
+        """Create (if needed) and lock the directory of a new run; refuse one that holds a run
+        (a run that never saved a checkpoint is started over). Every rank raises together."""
+        verdict: str | None = None
+        self._made_dir = False
+        if self.world.is_main and not self.out.is_dir():
+            try:
+                self.out.mkdir(parents=True)
+                self._made_dir = True
+            except FileExistsError:  # another process made it just now: fine
+                pass
+            except OSError as exc:
+                verdict = f"{self.out}: cannot create the run directory: {exc}"
+        verdict = broadcast_object(verdict, self.world)  # type: ignore[assignment]
+        if verdict is not None:
+            raise OSError(verdict)
+        self._take_lock()
+        verdict = None
+        if self.world.is_main and (self.out / "run.json").exists():
+            if _never_saved(self.out):
+                self.log(f"note: {self.out} holds a run that stopped before its first "
+                         f"checkpoint; starting it over")
+                shutil.rmtree(self.out / TMP_DIR, ignore_errors=True)
+            else:
+                try:
+                    _refuse_existing(self.out)
+                except ValueError as exc:
+                    verdict = str(exc)
+        verdict = broadcast_object(verdict, self.world)  # type: ignore[assignment]
+        if verdict is not None:
+            raise ValueError(verdict)
+
+    def _undo_new_dir(self) -> None:
+        """After a failure while a new run wrote its first files: remove what it wrote (and
+        the directory if it made it), never anything that was there before."""
+        if not self.world.is_main:
+            return
+        for name in self._written:
+            (self.out / name).unlink(missing_ok=True)
+        self.close()
+        if self._made_dir:
+            with contextlib.suppress(OSError):
+                self.out.rmdir()  # only when empty
+
+    # --- setting up ---------------------------------------------------------------------------
+    def _setup(self, config: TrainConfig, _resume: bool, accept_changed_data: bool) -> None:
         if config.batch_size % self.world.size:
             raise ValueError(f"batch_size {config.batch_size} is not divisible by the "
                              f"{self.world.size} processes")
         self.step = 0
         self.last_saved: int | None = None
+        self._written: list[str] = []
         if _resume:
-            try:
-                ckpt = find_checkpoint(self.out)
-            except CheckpointError:
-                if not (self.out / "run.json").exists():
-                    raise
-                raise CheckpointError(
-                    f"{self.out} has no checkpoint yet: the run stopped before its first save "
-                    f"(one every eval_every={config.eval_every} steps); start it again with "
-                    f"another --out, or delete {self.out}") from None
+            self._take_lock()  # before reading: no other writer may change what we check
+            ckpt = self._find_resume_checkpoint(config)
+            _check_checkpoint_agrees(self.out, ckpt, config)
+            config = self.config = self._check_data(config, accept_changed_data)
             self.model, self.tokenizer = load_run(ckpt)
             self.max_len = int(self.model.config.max_len)
             self.data = load_data(config, self.tokenizer, self.max_len)
         else:
-            if (self.out / "run.json").exists():  # every rank checks, before anyone writes
-                raise ValueError(f"{self.out} already holds a run; continue it with qkv train "
-                                 f"--resume {self.out}, or choose another directory")
+            if (self.out / "run.json").exists() and not _never_saved(self.out):
+                _refuse_existing(self.out)  # every rank, before any work
             if config.data is not None:  # resumable from any working directory
-                config = TrainConfig.from_dict({**config.to_dict(),
-                                                "data": str(Path(config.data).resolve())})
-                self.config = config
+                data = Path(config.data).resolve()
+                config = self.config = TrainConfig.from_dict({
+                    **config.to_dict(), "data": str(data),
+                    "data_fingerprint": _fingerprint(data)})
             torch.manual_seed(config.seed)
-            self.data, self.tokenizer, self.max_len = prepare_data(config)
+            self.data, self.tokenizer, self.max_len, seq_len = prepare_data(config)
+            with torch.random.fork_rng(devices=[]), torch.device("meta"):
+                shape_only = build_model(config, self.tokenizer.vocab_size, self.max_len,
+                                         self.tokenizer.pad_id)
+            check_model_fits_data(shape_only.config, self.tokenizer, self.max_len)
+            check_training_fits(shape_only, batch_size=config.batch_size // self.world.size,
+                                seq_len=seq_len, eval_examples=config.eval_examples,
+                                device=self.device, what=f"training {config.model} "
+                                f"(max_len={self.max_len})")
             self.model = build_model(config, self.tokenizer.vocab_size, self.max_len,
                                      self.tokenizer.pad_id)
         self.model.to(self.device).train()
@@ -160,34 +274,103 @@ class Trainer:
             if self.step >= config.steps:
                 raise ValueError(f"{self.out} is already at step {self.step}; give --steps "
                                  f"greater than {self.step} to continue it")
+            barrier(self.world)
             if self.world.is_main:
                 _truncate_metrics(self.out / METRICS, self.step)
+                self._write_run_json(config)
+        else:
+            self._claim_new_dir()
+            try:
+                if self.world.is_main:
+                    self._write_run_json(config)
+                    (self.out / METRICS).write_text("")
+                    self._written.append(METRICS)
+            except BaseException:
+                self._undo_new_dir()
+                raise
         barrier(self.world)
-        if self.world.is_main:  # run.json: the settings --resume continues (new total steps)
-            self.out.mkdir(parents=True, exist_ok=True)
-            text = json.dumps(config.to_dict(), indent=2, sort_keys=True)
-            atomic_write(self.out / "run.json", lambda tmp: Path(tmp).write_text(text))
-            if not _resume:
-                (self.out / METRICS).write_text("")
+
+    def _write_run_json(self, config: TrainConfig) -> None:
+        """run.json: the settings --resume continues (with the new total steps)."""
+        text = json.dumps(config.to_dict(), indent=2, sort_keys=True)
+        atomic_write(self.out / "run.json", lambda tmp: Path(tmp).write_text(text))
+        self._written.append("run.json")
+
+    def _find_resume_checkpoint(self, config: TrainConfig) -> Path:
+        try:
+            return find_checkpoint(self.out)
+        except CheckpointError:
+            if not (self.out / "run.json").exists():
+                raise
+        saved = _last_evaluation(self.out / METRICS)
+        if saved is not None:
+            raise CheckpointError(
+                f"{self.out} has no checkpoint, although {METRICS} records one saved at step "
+                f"{saved}: {self.out / CHECKPOINT_DIR} was deleted or moved; put it back to "
+                f"resume")
+        raise CheckpointError(
+            f"{self.out} has no checkpoint yet: the run stopped before its first save (one "
+            f"every eval_every={config.eval_every} steps); start it again with the same "
+            f"settings and --out (it starts over), or choose another directory")
+
+    def _check_data(self, config: TrainConfig, accept_changed: bool) -> TrainConfig:
+        """The data file of a resumed run must be the one the run began with (size and
+        SHA-256 in run.json); returns the config with the fingerprint to record."""
+        if config.data is None:
+            return config
+        path = Path(config.data)
+        if not path.is_file():
+            raise CheckpointError(f"{self.out}: the run's data file {path} is missing; a "
+                                  f"resume trains on the file the run began with")
+        now = _fingerprint(path)
+        before = config.data_fingerprint
+        note = self.log if self.world.is_main else (lambda line: None)
+        if before is None:
+            note(f"note: {self.out / 'run.json'} holds no fingerprint of {path} (a run "
+                     f"from an older qkv): cannot check that the file is unchanged since the "
+                     f"run began; recording it now")
+        elif now != before:
+            change = (f"size {before['size']} -> {now['size']} bytes, sha256 "
+                      f"{before['sha256'][:12]}... -> {now['sha256'][:12]}...")
+            if not accept_changed:
+                raise CheckpointError(
+                    f"--data {path} changed since the run in {self.out} began ({change}): "
+                    f"resuming on other data is not the same run (and may fail); restore the "
+                    f"file, or pass --accept-changed-data to continue on it anyway")
+            note(f"note: continuing {self.out} on the changed {path} ({change}), as "
+                     f"--accept-changed-data asks; the run is no longer reproducible")
+        return TrainConfig.from_dict({**config.to_dict(), "data_fingerprint": now})
 
     @classmethod
     def resume(cls, out_dir: str | Path, *, steps: int | None = None, progress: bool = True,
-               log: Any = print, device: str | torch.device | None = "cpu") -> Trainer:
+               log: Any = print, device: str | torch.device | None = "cpu",
+               accept_changed_data: bool = False, lock: RunDirLock | None = None) -> Trainer:
         """Continue the run in ``out_dir`` from its checkpoint, up to ``steps`` optimizer steps
-        in total (default: the run's own ``steps``)."""
+        in total (default: the run's own ``steps``).
+
+        Refused, with nothing written: another process holds the directory
+        (``RunDirBusyError``), run.json disagrees with the checkpoint's copy (anything but
+        ``steps``), or the data file changed since the run began (unless
+        ``accept_changed_data``; run.json then records the new file's fingerprint)."""
         out_dir = Path(out_dir)
+        if not out_dir.is_dir():
+            raise CheckpointError(f"{out_dir}: cannot resume: no such run directory")
         try:
             data = read_json(out_dir / "run.json")
         except (OSError, ValueError, CheckpointError) as exc:
             raise CheckpointError(f"{out_dir}: cannot resume: {exc}") from exc
-        config = TrainConfig.from_dict(data)
+        try:
+            config = TrainConfig.from_dict(data)
+        except ValueError as exc:
+            raise CheckpointError(f"{out_dir / 'run.json'}: cannot resume: {exc}") from exc
         if steps is not None and steps != config.steps:
-            if config.schedule == "cosine":
-                log(f"note: the cosine schedule is re-stretched from {config.steps} to {steps} "
-                    f"total steps; later learning rates differ from those of a run started "
-                    f"with --steps {steps}")
             config = TrainConfig.from_dict({**config.to_dict(), "steps": steps})
-        return cls(config, out_dir, progress=progress, log=log, device=device, _resume=True)
+            if config.schedule == "cosine":
+                log(f"note: the cosine schedule is re-stretched from {data['steps']} to "
+                    f"{steps} total steps; later learning rates differ from those of a run "
+                    f"started with --steps {steps}")
+        return cls(config, out_dir, progress=progress, log=log, device=device, lock=lock,
+                   _resume=True, _accept_changed_data=accept_changed_data)
 
     # --- one step -----------------------------------------------------------------------------
     def _batch(self, step: int) -> dict[str, Tensor]:
@@ -270,6 +453,7 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
+            self.close()
             teardown_world(self.world)
         return result
 
@@ -279,12 +463,14 @@ class Trainer:
             result = {"step": self.step, **evaluate(self.config.model, self.model,
                                                     self.tokenizer, self.data,
                                                     self.config.eval_examples)}
-            metrics.write(json.dumps(result) + "\n")
-            metrics.flush()
             save_checkpoint(self.out, model=self.model, tokenizer=self.tokenizer,
                             optimizer=self.optimizer, step=self.step,
                             run_info=self.config.to_dict(),
                             data_position=self.step * self.config.batch_size)
+            # logged after the save: an evaluation row in metrics.jsonl means a checkpoint of
+            # that step was complete (what resume's messages rely on)
+            metrics.write(json.dumps(result) + "\n")
+            metrics.flush()
             shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                               for k, v in result.items())
             self.log(f"[eval] {shown}")
@@ -322,3 +508,78 @@ def _truncate_metrics(path: Path, step: int) -> None:
             keep.append(line)
     text = "".join(line + "\n" for line in keep)
     atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def _fingerprint(path: Path) -> dict[str, Any]:
+    try:
+        return file_fingerprint(path)
+    except OSError as exc:
+        raise CheckpointError(f"--data {path}: cannot read it: {exc}") from exc
+
+
+def _metric_rows(path: Path) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return rows
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def _last_evaluation(path: Path) -> int | None:
+    """The step of the last evaluation row of metrics.jsonl (written after each checkpoint),
+    or None when there is none."""
+    steps = [r.get("step") for r in _metric_rows(path) if "loss" not in r and "step" in r]
+    return steps[-1] if steps else None
+
+
+def _never_saved(out: Path) -> bool:
+    """A run directory whose run stopped before its first checkpoint: no checkpoint, no
+    evaluation logged. Such a run has nothing to resume, so a new run may start over in it."""
+    try:
+        find_checkpoint(out)
+        return False
+    except CheckpointError:
+        pass
+    return _last_evaluation(out / METRICS) is None
+
+
+def _refuse_existing(out: Path) -> None:
+    """Raise: ``out`` holds a run (``RunDirBusyError`` when a process is writing it now)."""
+    busy = lock_holder(out)
+    if busy is not None:
+        raise RunDirBusyError(busy.busy_message())
+    raise ValueError(f"{out} already holds a run; continue it with qkv train --resume {out}, "
+                     f"or choose another directory")
+
+
+#: run.json fields that may differ from the checkpoint's copy: ``--resume --steps M`` rewrites
+#: steps, and ``--accept-changed-data`` the data fingerprint, before the next checkpoint
+_MAY_DIFFER = ("steps", "data_fingerprint")
+
+
+def _check_checkpoint_agrees(out: Path, ckpt: Path, config: TrainConfig) -> None:
+    """Refuse a run.json that disagrees with the checkpoint's copy (an edited run.json would
+    build the wrong model or loss) — before anything is written."""
+    path = ckpt / "run.json"
+    if not path.is_file():  # not written by qkv train: nothing to compare
+        return
+    try:
+        saved = TrainConfig.from_dict(read_json(path)).to_dict()
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: not a valid training configuration: {exc}") from exc
+    ours = config.to_dict()
+    diff = [f"{k}: {ours[k]!r} vs {saved[k]!r}" for k in sorted(ours)
+            if k not in _MAY_DIFFER and ours[k] != saved[k]]
+    if diff:
+        raise CheckpointError(
+            f"{out / 'run.json'} disagrees with {path} ({'; '.join(diff)}): run.json was edited "
+            f"after the checkpoint was written; a resume continues the checkpoint's settings "
+            f"(only --steps may change): restore run.json from {path}")

@@ -1,0 +1,143 @@
+"""Will a training run fit in memory? A cheap estimate, checked before anything is allocated.
+
+``estimate_training_bytes`` counts, for a model described on the ``meta`` device (no memory
+used) and one optimizer step of ``batch_size`` sequences of ``seq_len`` tokens, in fp32
+(4 bytes a number):
+
+- parameters P: ``4 P`` bytes each for the weights, their gradients and AdamW's two moments
+  (16 P bytes), plus the model's buffers;
+- position tables built lazily at the first forward (``Sinusoidal(max_len=...)``): about
+  24 bytes per ``max_len x C`` entry while the table is computed (fp64 angles, sin, cos, the
+  fp32 result);
+- activations kept for the backward pass: ``10 x B x N x C`` numbers per layer (the input,
+  the norms, q, k, v, the attention output and the residuals) plus ``2 x B x N x F`` per
+  layer for the feed-forward's hidden width F, over all layers L (encoder + decoder);
+- one layer's attention scores, ``B x H x N x N`` numbers (the softmax of one layer alive at
+  a time; backends that keep every layer's need more, flash-style kernels less);
+- the output logits and their gradient, ``2 x B x N x V`` numbers;
+- the held-out examples an evaluation builds at once: about ``200 + 2 N`` bytes each
+  (Python strings of a pair and its prediction).
+
+The estimate errs low on purpose (it leaves out the allocator's slack, the optimizer's
+temporaries, evaluation), so a refusal means the run certainly cannot fit; a run that passes
+can still run out of memory. ``available_bytes`` reads ``MemAvailable`` from /proc/meminfo,
+else ``os.sysconf``; for a CUDA device the free device memory; None when unknown (the check
+is then skipped).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["MemoryEstimate", "available_bytes", "check_training_fits", "estimate_training_bytes",
+           "format_bytes"]
+
+FP32 = 4
+
+
+class MemoryEstimate(dict):
+    """Bytes by part ("parameters", "tables", "activations", "scores", "logits",
+    "evaluation"); ``total``."""
+
+    @property
+    def total(self) -> int:
+        """Sum of the parts, in bytes."""
+        return int(sum(self.values()))
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes as "12.3 GiB", "512 MiB" or "3 KiB"."""
+    if n >= 2**30:
+        return f"{n / 2**30:,.1f} GiB"
+    if n >= 2**20:
+        return f"{n / 2**20:,.0f} MiB"
+    return f"{n / 2**10:,.0f} KiB"
+
+
+def _widths(config: Any) -> tuple[int, int, int, int, int]:
+    """(C, F, H, L, V) of a qkv model config: width, feed-forward width, heads, layers (all
+    stacks), output vocabulary."""
+    dim = int(config.dim)
+    ffn = int(getattr(config, "ffn_hidden", None) or 4 * dim)
+    heads = int(config.num_heads)
+    if hasattr(config, "num_encoder_layers"):  # encoder-decoder: the decoder has two attentions
+        layers = int(config.num_encoder_layers) + 2 * int(config.num_decoder_layers)
+        vocab = int(config.tgt_vocab_size)
+    else:
+        layers, vocab = int(config.num_layers), int(config.vocab_size)
+    return dim, ffn, heads, layers, vocab
+
+
+def estimate_training_bytes(model: nn.Module, *, batch_size: int, seq_len: int,
+                            eval_examples: int = 0) -> MemoryEstimate:
+    """A lower-bound estimate of the memory one training step of ``model`` needs (see the
+    module docstring for the formula).
+
+    Args:
+        model: the model, best built on the ``meta`` device (only shapes are read); it must
+            have a qkv ``config`` (dim, num_heads, layers, vocabulary).
+        batch_size: B, sequences per step (on this process).
+        seq_len: N, the longest sequence of a step in tokens.
+        eval_examples: held-out examples per evaluation.
+    """
+    from ..modules.positions import Sinusoidal
+
+    params = sum(p.numel() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    tables = sum(24 * m.max_len * m.dim for m in model.modules()
+                 if isinstance(m, Sinusoidal) and m.max_len is not None)
+    dim, ffn, heads, layers, vocab = _widths(model.config)
+    b, n = int(batch_size), int(seq_len)
+    return MemoryEstimate(
+        parameters=4 * FP32 * params + buffers,
+        tables=tables,
+        activations=FP32 * layers * b * n * (10 * dim + 2 * ffn),
+        scores=FP32 * b * heads * n * n,
+        logits=2 * FP32 * b * n * vocab,
+        evaluation=int(eval_examples) * (200 + 2 * n))
+
+
+def available_bytes(device: torch.device | None = None) -> int | None:
+    """Memory a new allocation can get: free memory of a CUDA ``device``; else
+    ``MemAvailable`` (/proc/meminfo), else available pages from ``os.sysconf``; None when
+    none can be read."""
+    if device is not None and device.type == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(device)[0])
+        except (RuntimeError, AssertionError):
+            return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_training_fits(model: nn.Module, *, batch_size: int, seq_len: int,
+                        eval_examples: int = 0, device: torch.device | None = None,
+                        what: str = "this run") -> MemoryEstimate:
+    """Raise ``ValueError`` (with the numbers) when ``estimate_training_bytes`` exceeds
+    ``available_bytes(device)``; returns the estimate otherwise (also when the available
+    memory is unknown)."""
+    est = estimate_training_bytes(model, batch_size=batch_size, seq_len=seq_len,
+                                  eval_examples=eval_examples)
+    have = available_bytes(device)
+    if have is None or est.total <= have:
+        return est
+    parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in est.items() if v)
+    where = f"{device.type} device" if device is not None and device.type == "cuda" else \
+        "this machine"
+    raise ValueError(f"{what} needs at least {format_bytes(est.total)} of memory ({parts}; "
+                     f"batch_size={batch_size} x {seq_len} tokens) but {where} has "
+                     f"{format_bytes(have)} available; lower --max-len, --batch-size, "
+                     f"--eval-examples or the model size")

@@ -1,0 +1,188 @@
+"""One writer per run directory: an advisory lock on ``RUN/.lock``, and data fingerprints.
+
+Everything that writes into a run directory (``qkv train``, ``--resume``, the demos that call
+``Trainer``) first takes ``RunDirLock(RUN)`` and holds it until it has written its last file::
+
+    with RunDirLock(run_dir):        # RunDirBusyError if another process holds it
+        ...write run.json, metrics.jsonl, checkpoint/...
+
+The lock is ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``RUN/.lock``, which holds the pid (and host)
+of its holder so that a refused writer can say who has the directory. The kernel drops a
+flock when its process dies, so a lock left by a killed process (``kill -9``, a power cut,
+an out-of-memory kill) is stale by construction: the file may remain, but the next writer
+takes it. A clean release deletes ``.lock`` (while still holding it; an acquirer checks that
+the file it locked is still the one at ``RUN/.lock`` and retries otherwise, so deleting never
+lets two writers in). Where ``fcntl`` is missing (Windows) the lock degrades to an exclusive
+create of the file, which a killed process leaves behind: the error message then says to
+delete it.
+
+The lock is advisory and per machine: it guards against other qkv processes, not against
+``rm``, and on network file systems it is only as good as their ``flock``. Under torchrun only
+rank 0 takes it (see ``Trainer``), and every rank stops when it is refused.
+
+``file_fingerprint(path)`` is the size and SHA-256 of a data file, stored in run.json so that
+``--resume`` notices a file changed since the run began.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from ..models.hub import CheckpointError
+
+try:  # POSIX
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["LOCK_NAME", "RunDirBusyError", "RunDirLock", "file_fingerprint", "lock_holder"]
+
+LOCK_NAME = ".lock"
+
+
+class RunDirBusyError(CheckpointError):
+    """Another process is writing to the run directory (the message names it and its pid)."""
+
+
+class RunDirLock:
+    """An exclusive, non-blocking lock on a run directory (see the module docstring).
+
+    Args:
+        run_dir: the directory; it must exist when ``acquire`` is called.
+
+    ``acquire()`` takes the lock or raises ``RunDirBusyError``; ``release()`` (idempotent)
+    gives it back and deletes ``RUN/.lock``. Also a context manager. The lock is released
+    when the object is garbage-collected or the process exits, at the latest.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_NAME
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        """Whether this object holds the lock."""
+        return self._fd is not None
+
+    def acquire(self) -> RunDirLock:
+        """Take the lock; returns self.
+
+        Raises:
+            RunDirBusyError: another process (or another ``RunDirLock`` in this process)
+                holds it; the message names the directory and the holder's pid when known.
+            OSError: the directory does not exist or is not writable.
+        """
+        if self._fd is not None:
+            return self
+        if fcntl is None:  # pragma: no cover - Windows
+            return self._acquire_by_create()
+        for _ in range(100):  # retried only when a releasing holder deleted the file we locked
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise RunDirBusyError(self.busy_message()) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                self._fd = fd
+                self._write_holder()
+                return self
+            os.close(fd)  # locked a file a releasing holder had just deleted: again
+        raise RunDirBusyError(f"{self.run_dir}: could not take {self.path} (it keeps being "
+                              f"replaced by another process)")
+
+    def _acquire_by_create(self) -> RunDirLock:  # pragma: no cover - Windows
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            raise RunDirBusyError(self.busy_message() + f" (if no such process is running, "
+                                  f"delete {self.path})") from None
+        self._fd = fd
+        self._write_holder()
+        return self
+
+    def _write_holder(self) -> None:
+        assert self._fd is not None
+        text = f"pid {os.getpid()} on {socket.gethostname()}\n".encode()
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, text, 0)
+
+    def holder(self) -> str | None:
+        """Who holds the lock as its file says ("pid N on HOST"), or None if unknown."""
+        try:
+            text = self.path.read_text(encoding="utf-8", errors="replace").strip()
+        except OSError:
+            return None
+        return text.splitlines()[0] if text else None
+
+    def busy_message(self) -> str:
+        """The refusal: the directory is in use, by whom (pid and host) when known."""
+        who = self.holder()
+        by = f"another process ({who})" if who else "another process"
+        return (f"{self.run_dir} is in use by {by}: one run directory takes one writer at a "
+                f"time; wait for it to finish, or choose another directory")
+
+    def release(self) -> None:
+        """Give the lock back and delete ``RUN/.lock`` (nothing if not held)."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)  # still ours: we hold the lock while deleting
+        os.close(fd)
+
+    def __enter__(self) -> RunDirLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown
+            self.release()
+
+    def __repr__(self) -> str:
+        return f"RunDirLock({str(self.run_dir)!r}, held={self.held})"
+
+
+def lock_holder(run_dir: str | os.PathLike) -> RunDirLock | None:
+    """A ``RunDirLock`` of ``run_dir`` describing its holder (``busy_message()``) when another
+    process (or lock object) holds the directory now; None when it is free. Takes nothing."""
+    lock = RunDirLock(run_dir)
+    if fcntl is None:  # pragma: no cover - Windows
+        return lock if lock.path.exists() else None
+    try:
+        fd = os.open(lock.path, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return lock
+    finally:
+        os.close(fd)  # closing drops a lock we may have taken
+    return None
+
+
+def file_fingerprint(path: str | os.PathLike) -> dict[str, Any]:
+    """``{"size": bytes, "sha256": hex digest}`` of a file (read in 1 MiB blocks)."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+            size += len(block)
+    return {"size": size, "sha256": digest.hexdigest()}
