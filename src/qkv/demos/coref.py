@@ -256,18 +256,21 @@ def run_coref_demo(*, out: str | None = None, quick: bool = False, seed: int = 0
 
     Runs on one CPU thread (restored after): the model is so small that more threads only
     add synchronisation, and one thread makes a seed reproduce the same run."""
+    from ..train.rundir import RunDirLock
+
+    run = new_output_dir(out if out is not None else Path("runs") / time.strftime(
+        "demo-coref-%Y%m%d-%H%M%S"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run(out=out, quick=quick, seed=seed)
+        with RunDirLock(run):  # one writer, as for training runs
+            return _run(run=run, quick=quick, seed=seed)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(*, out: str | None, quick: bool, seed: int) -> int:
+def _run(*, run: Path, quick: bool, seed: int) -> int:
     settings = _QUICK if quick else _FULL
-    run = new_output_dir(out if out is not None else Path("runs") / time.strftime(
-        "demo-coref-%Y%m%d-%H%M%S"))
     torch.manual_seed(seed)
     tok = WordTokenizer(coref_vocabulary())
     model = coref_model(tok.vocab_size)

@@ -68,48 +68,51 @@ def run_dates_demo(*, out: str | None = None, quick: bool = False, seed: int = 0
     from ..models.hub import atomic_write
     from ..outputs import new_output_dir
     from ..train import TrainConfig, Trainer, exact_match
+    from ..train.rundir import RunDirLock
 
     t0 = time.perf_counter()
     run_dir = new_output_dir(out or f"runs/demo-dates-{time.strftime('%Y%m%d-%H%M%S')}")
-    training = QUICK_TRAINING if quick else DEMO_TRAINING
-    config = TrainConfig(model="transformer", task="dates", overrides=DEMO_MODEL, seed=seed,
-                         **training)
-    task = get_task("dates")  # seed 0: the same 1,000 test dates whatever the training seed
-    print("qkv demo: the encoder-decoder Transformer (Vaswani et al. 2017) learns to normalise "
-          "dates.\nTraining examples (generated; held-out dates never appear in training):")
-    for source, target in task.examples("train", 0, 4):
-        print(f"  {source!r:40} -> {target}")
-    trainer = Trainer(config, run_dir, log=lambda line: print(f"  {line}"))
-    n_params = sum(p.numel() for p in trainer.model.parameters())
-    print(f"Training {n_params / 1e6:.2f}M parameters for {config.steps} steps of "
-          f"{config.batch_size} examples ({torch.get_num_threads()} CPU threads)...")
-    trainer.run()
-    train_s = time.perf_counter() - t0
-    model, tok = trainer.model.eval(), trainer.tokenizer
-    count = 50 if quick else TEST_EXAMPLES
-    test = task.examples("test", 0, count)
-    with torch.no_grad():
-        preds = translate(model, tok, [s for s, _ in test], batch_size=250)
-        shown = translate(model, tok, list(SHOWCASE))
-    accuracy = exact_match(preds, [t for _, t in test])
-    print("\nExamples:")
-    for source, pred in zip(SHOWCASE, shown, strict=True):
-        print(f"  {source!r:32} -> {pred}")
-    misses = [(s, p, t) for (s, t), p in zip(test, preds, strict=True) if p != t][:3]
-    for source, pred, target in misses:
-        print(f"  miss: {source!r} -> {pred!r} (expected {target})")
-    png = _alignment(model, tok, ALIGNMENT_EXAMPLE,
-                     translate(model, tok, [ALIGNMENT_EXAMPLE])[0],
-                     run_dir / "cross_attention.png")
-    wall = time.perf_counter() - t0
-    summary = {"exact_match": accuracy, "test_examples": count, "steps": config.steps,
-               "train_seconds": round(train_s, 1), "wall_seconds": round(wall, 1),
-               "threads": torch.get_num_threads()}
-    text = json.dumps(summary, indent=2) + "\n"
-    atomic_write(run_dir / "demo.json", lambda tmp: Path(tmp).write_text(text))
-    print(f"\nexact match: {100 * accuracy:.1f}% on {count} held-out dates "
-          f"({wall:.0f} s in all, {train_s:.0f} s of training)")
-    print(f"run directory: {run_dir}\n  checkpoint: {run_dir / 'checkpoint'}  (qkv translate "
-          f"{run_dir} --input 'July 4, 1976')\n  metrics:    {run_dir / 'metrics.jsonl'}\n"
-          f"  attention:  {png}")
+    with RunDirLock(run_dir) as lock:  # one writer, up to demo.json
+        training = QUICK_TRAINING if quick else DEMO_TRAINING
+        config = TrainConfig(model="transformer", task="dates", overrides=DEMO_MODEL, seed=seed,
+                             **training)
+        task = get_task("dates")  # seed 0: the same 1,000 test dates whatever the training seed
+        print("qkv demo: the encoder-decoder Transformer (Vaswani et al. 2017) learns to normalise "
+              "dates.\nTraining examples (generated; held-out dates never appear in training):")
+        for source, target in task.examples("train", 0, 4):
+            print(f"  {source!r:40} -> {target}")
+        trainer = Trainer(config, run_dir, log=lambda line: print(f"  {line}"),
+                          lock=lock)
+        n_params = sum(p.numel() for p in trainer.model.parameters())
+        print(f"Training {n_params / 1e6:.2f}M parameters for {config.steps} steps of "
+              f"{config.batch_size} examples ({torch.get_num_threads()} CPU threads)...")
+        trainer.run()
+        train_s = time.perf_counter() - t0
+        model, tok = trainer.model.eval(), trainer.tokenizer
+        count = 50 if quick else TEST_EXAMPLES
+        test = task.examples("test", 0, count)
+        with torch.no_grad():
+            preds = translate(model, tok, [s for s, _ in test], batch_size=250)
+            shown = translate(model, tok, list(SHOWCASE))
+        accuracy = exact_match(preds, [t for _, t in test])
+        print("\nExamples:")
+        for source, pred in zip(SHOWCASE, shown, strict=True):
+            print(f"  {source!r:32} -> {pred}")
+        misses = [(s, p, t) for (s, t), p in zip(test, preds, strict=True) if p != t][:3]
+        for source, pred, target in misses:
+            print(f"  miss: {source!r} -> {pred!r} (expected {target})")
+        png = _alignment(model, tok, ALIGNMENT_EXAMPLE,
+                         translate(model, tok, [ALIGNMENT_EXAMPLE])[0],
+                         run_dir / "cross_attention.png")
+        wall = time.perf_counter() - t0
+        summary = {"exact_match": accuracy, "test_examples": count, "steps": config.steps,
+                   "train_seconds": round(train_s, 1), "wall_seconds": round(wall, 1),
+                   "threads": torch.get_num_threads()}
+        text = json.dumps(summary, indent=2) + "\n"
+        atomic_write(run_dir / "demo.json", lambda tmp: Path(tmp).write_text(text))
+        print(f"\nexact match: {100 * accuracy:.1f}% on {count} held-out dates "
+              f"({wall:.0f} s in all, {train_s:.0f} s of training)")
+        print(f"run directory: {run_dir}\n  checkpoint: {run_dir / 'checkpoint'}  (qkv translate "
+              f"{run_dir} --input 'July 4, 1976')\n  metrics:    {run_dir / 'metrics.jsonl'}\n"
+              f"  attention:  {png}")
     return 0
