@@ -19,7 +19,11 @@ sample of its first and last rows, differs) invalidates them; ``release(model)``
 
 The prompt is prefilled by the model itself (``GPT.hidden_states`` with its ``KVCache``s);
 ``eligible`` says when this step computes exactly what ``GPT.forward`` would (plain GPT
-parts, fp32/fp64, no active dropout); anything else goes through the generic stepper.
+parts, plain ``nn.Linear`` projections, fp32/fp64, no active dropout); anything else goes
+through the generic stepper. A model with an engaged (unmerged) ``qkv.peft`` LoRA adapter
+therefore decodes on the generic path; a merged or disabled one has plain ``nn.Linear``
+projections again and decodes here (merging changes the weights in place, which invalidates
+the transposed copies).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..models.gpt import GPT, GPTConfig
 from ..modules.attention import MultiHeadAttention
@@ -68,6 +72,11 @@ def eligible(model: object) -> bool:
                 or type(attn) is not MultiHeadAttention or attn.in_proj is None
                 or attn.backend not in ("auto", "sdpa") or type(layer.ffn) is not FeedForward
                 or type(layer.norm1) is not LayerNorm or type(layer.norm2) is not LayerNorm):
+            return False
+        # a projection swapped for another module (an unmerged qkv.peft LoRA wrapper) computes
+        # more than its weight: only the generic stepper, which calls the modules, is exact
+        if not all(type(m) is nn.Linear for m in (attn.in_proj, attn.out_proj,
+                                                  layer.ffn.fc_in, layer.ffn.fc_out)):
             return False
     return True
 

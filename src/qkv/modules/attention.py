@@ -22,11 +22,26 @@ from ..ops import BACKENDS, BiasProducer, attention
 from ..ops.masks import Mask
 from .cache import KVCache
 
-__all__ = ["MultiHeadAttention"]
+__all__ = ["MultiHeadAttention", "project_rows"]
 
 
 def _shape(t: Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
+
+
+def project_rows(proj: nn.Module, x: Tensor, start: int, stop: int) -> Tensor:
+    """Output rows [start, stop) of a fused projection: x (..., Cin) -> (..., stop - start),
+    ``x @ W[start:stop]ᵀ + b[start:stop]`` without computing the other rows.
+
+    ``proj`` is an ``nn.Linear``, or a module standing in for one (``qkv.peft``'s LoRA
+    wrapper) that defines its own ``project_rows(x, start, stop)``: every row-block use of a
+    fused projection goes through here, so such a module sees all of them.
+    """
+    own = getattr(proj, "project_rows", None)
+    if own is not None:
+        return own(x, start, stop)
+    b = None if proj.bias is None else proj.bias[start:stop]
+    return F.linear(x, proj.weight[start:stop], b)
 
 
 class MultiHeadAttention(nn.Module):
@@ -150,9 +165,7 @@ class MultiHeadAttention(nn.Module):
         if self.q_proj is not None:
             q = self.q_proj(x)  # (B, N, H·D)
         else:
-            q_width = self._splits[0]
-            b = None if self.in_proj.bias is None else self.in_proj.bias[:q_width]
-            q = F.linear(x, self.in_proj.weight[:q_width], b)  # (B, N, H·D)
+            q = project_rows(self.in_proj, x, 0, self._splits[0])  # (B, N, H·D)
         return self._heads(q, self.num_heads)  # (B, H, N, D)
 
     def project_kv(self, context: Tensor) -> tuple[Tensor, Tensor]:
@@ -171,9 +184,8 @@ class MultiHeadAttention(nn.Module):
         if self.kv_proj is not None:
             kv = self.kv_proj(context)  # (B, S, 2·Hkv·D)
         else:
-            q_width = self._splits[0]
-            b = None if self.in_proj.bias is None else self.in_proj.bias[q_width:]
-            kv = F.linear(context, self.in_proj.weight[q_width:], b)  # (B, S, 2·Hkv·D)
+            kv = project_rows(self.in_proj, context, self._splits[0],
+                              sum(self._splits))  # (B, S, 2·Hkv·D)
         k, v = kv.split(self._splits[1:], dim=-1)  # (B, S, Hkv·D) each
         return self._heads(k, self.num_kv_heads), self._heads(v, self.num_kv_heads)
 
@@ -209,7 +221,8 @@ class MultiHeadAttention(nn.Module):
                 mask: Mask | Tensor | None = None, causal: bool = False,
                 bias: Tensor | BiasProducer | None = None, need_weights: bool = False,
                 cache: KVCache | None = None, kv: tuple[Tensor, Tensor] | None = None,
-                positions: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                positions: Tensor | None = None,
+                prefix: Any = None) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``x`` to itself (self-attention) or to ``context`` / ``kv`` (cross).
 
         Args:
@@ -231,6 +244,10 @@ class MultiHeadAttention(nn.Module):
                 ``context``), each (B, Hkv, S, D).
             positions: with ``rope``, the absolute positions of the N queries, (N,) or (B, N)
                 integers; default ``cache.length + arange(N)`` (``arange(N)`` without cache).
+            prefix: self-attention only: a callable ``(k, v, mask, cache) -> (k, v, mask)``
+                applied to the keys/values (B, Hkv, S, D) after the rotation and the cache
+                write, just before the attention core; ``qkv.peft`` prefix tuning prepends
+                its learned keys/values with it (S grows by the prefix length P).
 
         Returns:
             out (B, N, C), or ``(out, weights)`` with weights (B, H, N, S) when
@@ -251,6 +268,9 @@ class MultiHeadAttention(nn.Module):
             if positions is not None:
                 raise ValueError("MultiHeadAttention: positions apply to self-attention "
                                  "(rope); cross-attention is not rotated")
+            if prefix is not None:
+                raise ValueError("MultiHeadAttention: prefix applies to self-attention only; "
+                                 "got context/kv too")
             if context is not None:
                 k, v = self.project_kv(context)  # (B, Hkv, S, D) each
                 if k.shape[0] != batch:
@@ -281,6 +301,8 @@ class MultiHeadAttention(nn.Module):
                                  "rope module (pass rope= to the constructor)")
             if cache is not None:
                 k, v = cache.append(k, v)  # (B, Hkv, S, D), S = cache length
+            if prefix is not None:  # prefix tuning (qkv.peft): (B, Hkv, P + S, D)
+                k, v, mask = prefix(k, v, mask, cache)
         out = attention(q, k, v, mask=mask, bias=bias, causal=causal,
                         dropout_p=self.dropout if self.training else 0.0,
                         return_weights=need_weights, backend=self.backend)

@@ -1,0 +1,46 @@
+"""Parameter-efficient fine-tuning on qkv's models, added from the outside (the models do
+not import this package): LoRA on the fused QKV projection and the other linears, named
+adapters, mixed-adapter batches, merge/unmerge, adapter files (qkv's and HF PEFT's).
+
+Example::
+
+    from qkv.peft import LoraConfig, add_lora, merge, save_adapter, trainable_summary
+
+    add_lora(model, LoraConfig(r=8, alpha=16, targets=("q", "k", "v")))
+    print(trainable_summary(model))   # trainable params: ... || all params: ... || trainable%
+    ...                               # train: only the adapter's A and B have requires_grad
+    save_adapter(model, "adapter/")   # adapter_config.json + adapter_model.safetensors
+    merge(model)                      # inference at the base model's cost
+"""
+
+from .adapters import (
+    AdaptedSublayer,
+    AdapterConfig,
+    add_adapters,
+    load_adapters,
+    remove_adapters,
+    save_adapters,
+)
+from .config import TARGETS, LoraConfig
+from .files import load_adapter, save_adapter
+from .lora import (
+    LoraLinear,
+    active_adapter,
+    adapter_names,
+    adapter_rows,
+    add_lora,
+    disable_adapters,
+    merge,
+    set_adapter,
+    unload,
+    unmerge,
+)
+from .prefix import PrefixAttention, PrefixConfig, PrefixKVCache, add_prefix
+from .summary import count_parameters, trainable_summary
+
+__all__ = ["TARGETS", "AdaptedSublayer", "AdapterConfig", "LoraConfig", "LoraLinear",
+           "PrefixAttention", "PrefixConfig", "PrefixKVCache", "active_adapter",
+           "adapter_names", "adapter_rows", "add_adapters", "add_lora", "add_prefix",
+           "count_parameters", "disable_adapters", "load_adapter", "load_adapters", "merge",
+           "remove_adapters", "save_adapter", "save_adapters", "set_adapter",
+           "trainable_summary", "unload", "unmerge"]

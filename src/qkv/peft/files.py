@@ -1,0 +1,252 @@
+"""LoRA adapter files: qkv's own (``save_adapter``) and HF PEFT's, read by ``load_adapter``.
+
+A directory holds ``adapter_config.json`` and ``adapter_model.safetensors`` with only the
+adapter's tensors (kilobytes to a few megabytes, never the base weights).
+
+qkv's files: the JSON is ``{"kind": "lora", "name", "config": LoraConfig.to_dict(), "base":
+{"class", "config"}}``; the tensors are keyed by the projection's module path and the
+parameter, e.g. ``layers.0.attn.in_proj.A_q`` (r, In) and ``layers.0.attn.in_proj.B_q``
+(Rows, r).
+
+HF PEFT's LoRA files (``peft_type`` "LORA", saved by ``save_pretrained``) for the GPT-2 and
+BERT checkpoints ``qkv.models.from_hf`` loads map onto qkv's projections:
+
+- GPT-2 ``h.i.attn.c_attn`` (Conv1D) -> ``layers.i.attn.in_proj``, role ``"qkv"``;
+- GPT-2 ``h.i.attn.c_proj`` -> ``layers.i.attn.out_proj``, ``"out"``;
+- GPT-2 ``h.i.mlp.c_fc`` / ``h.i.mlp.c_proj`` -> ``layers.i.ffn.fc_in`` / ``fc_out``,
+  ``"ffn_in"`` / ``"ffn_out"``;
+- BERT ``encoder.layer.i.attention.self.query`` / ``key`` / ``value`` ->
+  ``layers.i.attn.in_proj``, roles ``"q"`` / ``"k"`` / ``"v"`` (their rows of the fused
+  projection);
+- BERT ``attention.output.dense`` -> ``out_proj`` (``"out"``), ``intermediate.dense`` ->
+  ``ffn.fc_in`` (``"ffn_in"``), ``output.dense`` -> ``ffn.fc_out`` (``"ffn_out"``).
+
+PEFT's A (r, In) and B (Out, r) are the same for a Conv1D (``fan_in_fan_out`` only changes
+how PEFT merges), so they are copied as they are; scale lora_alpha / r (/ √r with
+``use_rslora``). Refused with one ``CheckpointError`` before anything is attached: other
+PEFT types, DoRA, LoRA biases, rank/alpha patterns, ``modules_to_save``, a subset of the
+layers, any other module (the pooler, embeddings), another architecture, other shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from ..models.hub import CheckpointError, atomic_write, read_json
+from .config import LoraConfig
+from .lora import _sites, _states, active_adapter, adapter_names, attach, plan_updates
+
+__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "load_adapter", "save_adapter"]
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+KIND = "lora"
+
+_GPT2_KEY = re.compile(r"(?:transformer\.)?h\.(\d+)\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|"
+                       r"mlp\.c_proj)\.lora_([AB])\.weight")
+_GPT2_SITES = {"attn.c_attn": ("attn.in_proj", "qkv"), "attn.c_proj": ("attn.out_proj", "out"),
+               "mlp.c_fc": ("ffn.fc_in", "ffn_in"), "mlp.c_proj": ("ffn.fc_out", "ffn_out")}
+_BERT_KEY = re.compile(r"(?:bert\.)?encoder\.layer\.(\d+)\.(attention\.self\.query|"
+                       r"attention\.self\.key|attention\.self\.value|attention\.output\.dense|"
+                       r"intermediate\.dense|output\.dense)\.lora_([AB])\.weight")
+_BERT_SITES = {"attention.self.query": ("attn.in_proj", "q"),
+               "attention.self.key": ("attn.in_proj", "k"),
+               "attention.self.value": ("attn.in_proj", "v"),
+               "attention.output.dense": ("attn.out_proj", "out"),
+               "intermediate.dense": ("ffn.fc_in", "ffn_in"),
+               "output.dense": ("ffn.fc_out", "ffn_out")}
+_PEFT_PREFIX = "base_model.model."
+
+
+def save_adapter(model: nn.Module, path: str | os.PathLike, *, name: str | None = None
+                 ) -> Path:
+    """Write adapter ``name`` (default: the active one) of ``model`` into directory ``path``
+    (created if needed): ``adapter_config.json`` + ``adapter_model.safetensors`` holding
+    only the adapter's A and B tensors. Writes are atomic. Returns the directory.
+
+    Raises:
+        ValueError: the model has no adapter, or none named ``name``.
+    """
+    names = adapter_names(model)
+    name = active_adapter(model) if name is None else name
+    if name not in names:
+        raise ValueError(f"save_adapter: no adapter named {name!r}; the model has {names}")
+    tensors, config = {}, None
+    for site, state in _states(model):
+        if name in state:
+            update = state[name]
+            config = update.config
+            for pname, p in update.named_parameters():
+                tensors[f"{site.path}.{pname}"] = p.detach().cpu().contiguous()
+    base_config = getattr(model, "config", None)
+    base = {"class": type(model).__name__,
+            "config": base_config.to_dict() if hasattr(base_config, "to_dict") else None}
+    meta = {"kind": KIND, "name": name, "config": config.to_dict(), "base": base}
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    atomic_write(path / WEIGHTS_NAME,
+                 lambda tmp: save_file(tensors, tmp, metadata={"kind": KIND}))
+    text = json.dumps(meta, indent=2, sort_keys=True, default=str)
+    atomic_write(path / CONFIG_NAME, lambda tmp: Path(tmp).write_text(text))
+    return path
+
+
+def load_adapter(model: nn.Module, path: str | os.PathLike, *, name: str | None = None
+                 ) -> str:
+    """Add the LoRA adapter saved in directory ``path`` to ``model`` and make it the active
+    (and only trainable) one — qkv's ``save_adapter`` files or HF PEFT's LoRA files for a
+    GPT-2 / BERT checkpoint loaded by ``qkv.models.from_hf`` (see the module docstring).
+
+    Everything is checked before anything is attached: on any error the model is unchanged.
+
+    Args:
+        model: the base model (a ``GPT`` / ``BERT`` / any qkv model for qkv's files).
+        path: the adapter directory.
+        name: the adapter's name in ``model`` (default: the saved name; "default" for PEFT).
+
+    Returns:
+        The adapter's name.
+
+    Raises:
+        CheckpointError (a ValueError) naming the file and the mismatch: missing files, an
+        unknown format, another architecture, unknown or missing tensors, other shapes.
+    """
+    path = Path(path)
+    meta = read_json(path / CONFIG_NAME)
+    tensors = _read_tensors(path / WEIGHTS_NAME)
+    if "peft_type" in meta:
+        config, roles_by_site, tensors = _from_peft(model, meta, tensors, path)
+        name = "default" if name is None else name
+    elif meta.get("kind") == KIND:
+        config, roles_by_site = _from_qkv(model, meta, path)
+        name = meta.get("name", "default") if name is None else name
+    else:
+        raise CheckpointError(f"{path / CONFIG_NAME}: not a LoRA adapter (kind "
+                              f"{meta.get('kind')!r}, peft_type {meta.get('peft_type')!r})")
+    try:
+        plan = plan_updates(model, config, name, roles_by_site)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: {err}") from err
+    params = {f"{site.path}.{pname}": p
+              for site, update in plan for pname, p in update.named_parameters()}
+    missing = sorted(set(params) - set(tensors))
+    unknown = sorted(set(tensors) - set(params))
+    if missing or unknown:
+        raise CheckpointError(f"{path / WEIGHTS_NAME}: does not fit this "
+                              f"{type(model).__name__} with targets {config.targets}: missing "
+                              f"{_few(missing)}, unknown {_few(unknown)}")
+    bad = [f"{k}: file {tuple(tensors[k].shape)}, model {tuple(p.shape)}"
+           for k, p in params.items() if tensors[k].shape != p.shape]
+    bad += [f"{k}: dtype {tensors[k].dtype}" for k in params
+            if not tensors[k].dtype.is_floating_point]
+    if bad:
+        raise CheckpointError(f"{path / WEIGHTS_NAME}: tensors do not fit this "
+                              f"{type(model).__name__}: {_few(bad)}")
+    with torch.no_grad():
+        for k, p in params.items():
+            p.copy_(tensors[k])
+    attach(model, plan, name)
+    return name
+
+
+def _few(items: list[str], n: int = 4) -> str:
+    more = f" (+{len(items) - n} more)" if len(items) > n else ""
+    return f"{items[:n]}{more}" if items else "none"
+
+
+def _read_tensors(file: Path) -> dict[str, Tensor]:
+    if not file.is_file():
+        raise CheckpointError(f"{file}: no such adapter weights file")
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{file}: cannot read safetensors: {err}") from err
+
+
+def _from_qkv(model: nn.Module, meta: dict, path: Path) -> tuple[LoraConfig, None]:
+    base = meta.get("base") or {}
+    if base.get("class") not in (None, type(model).__name__):
+        raise CheckpointError(f"{path}: the adapter was made for a {base['class']}, this model "
+                              f"is a {type(model).__name__}")
+    try:
+        return LoraConfig.from_dict(meta.get("config") or {}), None
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{path / CONFIG_NAME}: {err}") from err
+
+
+def _from_peft(model: nn.Module, meta: dict, tensors: dict[str, Tensor], path: Path
+               ) -> tuple[LoraConfig, dict[str, tuple[str, ...]], dict[str, Tensor]]:
+    """PEFT's config and tensors -> (LoraConfig, roles per projection path, qkv tensors)."""
+    from ..models import BERT, GPT
+
+    where = path / CONFIG_NAME
+    if meta.get("peft_type") != "LORA":
+        raise CheckpointError(f"{where}: peft_type {meta.get('peft_type')!r}; only LORA "
+                              f"adapters load into qkv.peft")
+    refused = {"use_dora": meta.get("use_dora"), "lora_bias": meta.get("lora_bias"),
+               "rank_pattern": meta.get("rank_pattern"),
+               "alpha_pattern": meta.get("alpha_pattern"),
+               "modules_to_save": meta.get("modules_to_save"),
+               "layers_to_transform": meta.get("layers_to_transform"),
+               "target_parameters": meta.get("target_parameters")}
+    refused = {k: v for k, v in refused.items() if v}
+    if meta.get("bias", "none") != "none":
+        refused["bias"] = meta["bias"]
+    if refused:
+        raise CheckpointError(f"{where}: PEFT options qkv.peft does not load: {refused}")
+    try:
+        config_kw = {"r": meta["r"], "alpha": meta["lora_alpha"],
+                     "dropout": meta.get("lora_dropout", 0.0) or 0.0,
+                     "rslora": bool(meta.get("use_rslora", False))}
+    except KeyError as err:
+        raise CheckpointError(f"{where}: missing PEFT field {err}") from err
+    if isinstance(model, GPT):
+        pattern, table, family = _GPT2_KEY, _GPT2_SITES, "GPT-2"
+    elif isinstance(model, BERT):
+        pattern, table, family = _BERT_KEY, _BERT_SITES, "BERT"
+    else:
+        raise CheckpointError(f"{path}: HF PEFT adapters load into qkv GPT (GPT-2) and BERT "
+                              f"models, not {type(model).__name__}")
+    out: dict[str, Tensor] = {}
+    roles_by_site: dict[str, list[str]] = {}
+    unknown = []
+    for key, t in tensors.items():
+        short = key[len(_PEFT_PREFIX):] if key.startswith(_PEFT_PREFIX) else key
+        m = pattern.fullmatch(short)
+        if m is None:
+            unknown.append(key)
+            continue
+        layer, module, ab = m.groups()
+        site, role = table[module]
+        site = f"layers.{int(layer)}.{site}"
+        out[f"{site}.{ab}_{role}"] = t
+        roles = roles_by_site.setdefault(site, [])
+        if role not in roles:
+            roles.append(role)
+    if unknown:
+        raise CheckpointError(f"{path / WEIGHTS_NAME}: tensors that do not map onto a "
+                              f"{family} {type(model).__name__} in qkv (another base, or a "
+                              f"module qkv.peft does not adapt): {_few(sorted(unknown))}")
+    if not out:
+        raise CheckpointError(f"{path / WEIGHTS_NAME}: no LoRA tensors")
+    targets = tuple(dict.fromkeys(r for roles in roles_by_site.values() for r in roles))
+    try:
+        config = LoraConfig(targets=targets, **config_kw)
+    except ValueError as err:
+        raise CheckpointError(f"{where}: {err}") from err
+    for role in config.targets:  # every layer, as a qkv config targets them
+        want = {s.path for s in _sites(model) if role in s.roles}
+        have = {s for s, roles in roles_by_site.items() if role in roles}
+        if have != want:
+            raise CheckpointError(f"{path / WEIGHTS_NAME}: LoRA on role {role!r} covers "
+                                  f"{_few(sorted(have))}, this {type(model).__name__} has "
+                                  f"{_few(sorted(want))}; qkv adapters cover every layer")
+    return config, {s: tuple(r) for s, r in roles_by_site.items()}, out

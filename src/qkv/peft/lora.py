@@ -1,0 +1,530 @@
+"""LoRA on qkv's projections, from the outside: the models are unchanged and do not know.
+
+Shapes: B batch, N length, In input features, Out output features of a projection, r rank,
+S row segments updated in one projection (1 to 3), Rows output rows of one segment.
+
+``add_lora`` gives every targeted projection (a ``nn.Linear`` named ``in_proj`` / ``q_proj`` /
+``kv_proj`` / ``out_proj`` of an attention module, ``fc_in`` / ``fc_out`` of a feed-forward) a
+``lora`` submodule: a ``LoraState`` holding one ``LoraUpdate`` per named adapter. A role of the
+fused QKV projection is a row segment: ``"q"`` updates rows [0, H·D), ``"k"`` the next Hkv·D,
+``"v"`` the last Hkv·D, each with its own A (r, In) and B (Rows, r); ``"qkv"`` one segment over
+all rows. The S segments of one projection are computed as one product: x A_catᵀ (B, N, S·r)
+times a block-diagonal (Out, S·r) matrix of the Bs — the base GEMM plus two thin ones.
+
+While an adapter is engaged (active, not merged, not disabled; or named by a row of
+``adapter_rows``) the linear is a ``LoraLinear`` sharing the base ``weight`` and ``bias``
+Parameters; otherwise it is a plain ``nn.Linear`` that carries the same ``lora`` submodule.
+The wrappers step aside: merged or disabled inference runs the base model's exact code (its
+fast paths check ``type(m) is nn.Linear``), and the state-dict keys never change
+(``...in_proj.weight``, ``...in_proj.lora.<adapter>.A_q``).
+
+A fused projection used by rows (cross-attention with ``kv_dim == dim`` projects the queries
+from rows [0, H·D) and keys/values from the rest) calls ``project_rows(x, start, stop)``, which
+``LoraLinear`` implements with the update restricted to those rows
+(``qkv.modules.attention.project_rows``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import re
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..modules.attention import MultiHeadAttention
+from ..modules.feedforward import FeedForward, SwiGLU
+from ..modules.linear_attention import LinearAttention
+from .config import LoraConfig
+
+__all__ = ["LoraLinear", "LoraState", "LoraUpdate", "active_adapter", "adapter_names",
+           "adapter_rows", "add_lora", "disable_adapters", "merge", "set_adapter", "unload",
+           "unmerge"]
+
+BASE = "base"  # the row name of ``adapter_rows`` for "no adapter"
+_NAME = re.compile(r"[A-Za-z0-9_\-]+")
+
+
+class LoraUpdate(nn.Module):
+    """One adapter's update of one projection: for each segment (role, lo, hi) parameters
+    ``A_<role>`` (r, In), Kaiming-uniform (a = √5, as HF PEFT), and ``B_<role>``
+    (hi - lo, r), zeros. ``delta(x)`` is scale · B A dropout(x) on the rows asked for.
+
+    Args:
+        config: the adapter's ``LoraConfig`` (r, scale, dropout).
+        segments: ((role, lo, hi), ...) sorted, disjoint row ranges of the projection.
+        in_features: In.
+        device, dtype: of the parameters (the base weight's).
+    """
+
+    def __init__(self, config: LoraConfig, segments: Sequence[tuple[str, int, int]],
+                 in_features: int, *, device: torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.segments = tuple(sorted(segments, key=lambda s: s[1]))
+        self.r, self.scale, self.dropout = config.r, config.scale, config.dropout
+        for role, lo, hi in self.segments:
+            a = nn.Parameter(torch.empty(config.r, in_features, device=device, dtype=dtype))
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+            b = nn.Parameter(torch.zeros(hi - lo, config.r, device=device, dtype=dtype))
+            self.register_parameter(f"A_{role}", a)  # (r, In)
+            self.register_parameter(f"B_{role}", b)  # (Rows, r)
+
+    def factors(self, start: int, stop: int) -> tuple[Tensor, Tensor] | None:
+        """(A_cat (S·r, In), scale · B_blockdiag (stop - start, S·r)) for output rows
+        [start, stop), or None when no segment meets them."""
+        segs = [s for s in self.segments if s[1] < stop and s[2] > start]
+        if not segs:
+            return None
+        r, cols = self.r, self.r * len(segs)
+        a_parts = [getattr(self, f"A_{role}") for role, _, _ in segs]
+        a = a_parts[0] if len(a_parts) == 1 else torch.cat(a_parts)  # (S·r, In)
+        pieces, cur = [], start
+        for j, (role, lo, hi) in enumerate(segs):
+            lo2, hi2 = max(lo, start), min(hi, stop)
+            if lo2 > cur:
+                pieces.append(a.new_zeros(lo2 - cur, cols))  # untargeted rows
+            b = getattr(self, f"B_{role}")[lo2 - lo:hi2 - lo]  # (rows, r)
+            if len(segs) > 1:
+                b = F.pad(b, (j * r, cols - (j + 1) * r))  # (rows, S·r), its own columns
+            pieces.append(b)
+            cur = hi2
+        if cur < stop:
+            pieces.append(a.new_zeros(stop - cur, cols))
+        b = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # (stop - start, S·r)
+        return a, b * self.scale
+
+    def _hidden(self, x: Tensor, start: int, stop: int, training: bool
+                ) -> tuple[Tensor, Tensor] | None:
+        f = self.factors(start, stop)
+        if f is None:
+            return None
+        a, b = f
+        if self.dropout and training:
+            x = F.dropout(x, self.dropout, training=True)
+        return F.linear(x, a), b  # h (..., S·r), scale · B (stop - start, S·r)
+
+    def delta(self, x: Tensor, start: int, stop: int, training: bool) -> Tensor | None:
+        """scale · dropout(x) Aᵀ Bᵀ on rows [start, stop): x (..., In) -> (..., stop - start),
+        or None when no segment meets those rows."""
+        hb = self._hidden(x, start, stop, training)
+        return None if hb is None else F.linear(*hb)
+
+    def add_to(self, out: Tensor, x: Tensor, start: int, stop: int, training: bool) -> Tensor:
+        """out (..., stop - start) + ``delta(x, start, stop)`` in one addmm; x (..., In)."""
+        hb = self._hidden(x, start, stop, training)
+        if hb is None:
+            return out
+        h, b = hb
+        shape = out.shape
+        out2 = torch.addmm(out.reshape(-1, shape[-1]), h.reshape(-1, h.shape[-1]), b.t())
+        return out2.view(shape)  # (..., stop - start)
+
+    def delta_weight(self, out_features: int) -> Tensor:
+        """scale · B A over all Out rows (zeros outside the segments), (Out, In), computed in
+        at least fp32."""
+        a, b = self.factors(0, out_features)
+        cdt = torch.promote_types(a.dtype, torch.float32)
+        return b.detach().to(cdt) @ a.detach().to(cdt)
+
+    def extra_repr(self) -> str:
+        roles = "+".join(role for role, _, _ in self.segments)
+        return f"r={self.r}, scale={self.scale:g}, roles={roles}"
+
+
+class LoraState(nn.ModuleDict):
+    """The ``lora`` submodule of a targeted projection: adapter name -> ``LoraUpdate``, and
+    the model-wide switches every projection mirrors: ``active`` (adapter name or None),
+    ``merged`` (the adapter folded into the weight, or None), ``disabled`` and ``rows`` (the
+    per-row adapter names of ``adapter_rows``, or None)."""
+
+    def __init__(self, roles: dict[str, tuple[int, int]], out_features: int) -> None:
+        super().__init__()
+        self.roles = dict(roles)
+        self.out_features = out_features
+        self.active: str | None = None
+        self.merged: str | None = None
+        self.disabled = False
+        self.rows: tuple[str, ...] | None = None
+        self._row_index: dict[str, Tensor] = {}
+
+    def engaged(self) -> bool:
+        """True when this projection must compute an update (a ``LoraLinear`` in place)."""
+        if self.disabled:
+            return False
+        if self.rows is not None:
+            return any(name in self for name in set(self.rows))
+        return self.merged is None and self.active is not None and self.active in self
+
+    def set_rows(self, rows: tuple[str, ...] | None) -> None:
+        self.rows = rows
+        self._row_index = {}
+        if rows is not None:
+            for name in dict.fromkeys(rows):
+                if name in self:
+                    self._row_index[name] = torch.tensor(
+                        [i for i, n in enumerate(rows) if n == name])  # (b,)
+
+    def add_to(self, out: Tensor, x: Tensor, start: int, stop: int, training: bool) -> Tensor:
+        """out (B, ..., stop - start) plus the engaged update(s) of x (B, ..., In)."""
+        if self.rows is None:
+            return self[self.active].add_to(out, x, start, stop, training)
+        if x.dim() < 2 or x.shape[0] != len(self.rows):
+            raise ValueError(f"adapter_rows: {len(self.rows)} row names, but a projection got "
+                             f"input of shape {tuple(x.shape)} (batch first; generation with "
+                             f"beams or a changed batch is not supported per row)")
+        for name, idx in self._row_index.items():
+            idx = idx.to(x.device)
+            delta = self[name].delta(x.index_select(0, idx), start, stop,
+                                     training)  # (b, ..., stop - start)
+            if delta is not None:
+                out = out.index_add(0, idx, delta)
+        return out
+
+
+class LoraLinear(nn.Module):
+    """A linear layer with its LoRA updates: ``weight`` (Out, In) and ``bias`` (Out,) are the
+    base layer's own Parameters (same state-dict keys), ``lora`` its ``LoraState``.
+
+    forward: x (..., In) -> (..., Out) = F.linear(x, weight, bias) + the engaged update.
+    """
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None,
+                 lora: LoraState) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight
+        self.register_parameter("bias", bias)
+        self.lora = lora
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (..., In) -> (..., Out)."""
+        return self.lora.add_to(F.linear(x, self.weight, self.bias), x, 0,
+                                self.out_features, self.training)
+
+    def project_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
+        """Output rows [start, stop) only: x (..., In) -> (..., stop - start)."""
+        b = None if self.bias is None else self.bias[start:stop]
+        return self.lora.add_to(F.linear(x, self.weight[start:stop], b), x, start, stop,
+                                self.training)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
+
+
+# --- finding the projections ----------------------------------------------------------------
+@dataclasses.dataclass
+class _Site:
+    parent: nn.Module
+    attr: str
+    path: str  # module path of the linear, e.g. "layers.0.attn.in_proj"
+    roles: dict[str, tuple[int, int]]
+
+    @property
+    def linear(self) -> nn.Module:
+        return getattr(self.parent, self.attr)
+
+    @property
+    def state(self) -> LoraState | None:
+        s = getattr(self.linear, "lora", None)
+        return s if isinstance(s, LoraState) else None
+
+
+def _fused_roles(splits: tuple[int, int, int]) -> dict[str, tuple[int, int]]:
+    q, k, v = splits
+    return {"q": (0, q), "k": (q, q + k), "v": (q + k, q + k + v), "qkv": (0, q + k + v)}
+
+
+def _sites(model: nn.Module) -> list[_Site]:
+    """Every projection a LoRA target can name, in module order."""
+    sites = []
+    for path, mod in model.named_modules():
+        pre = f"{path}." if path else ""
+        found: list[tuple[str, dict[str, tuple[int, int]]]] = []
+        if isinstance(mod, (MultiHeadAttention, LinearAttention)):
+            if getattr(mod, "in_proj", None) is not None:
+                found.append(("in_proj", _fused_roles(mod._splits)))
+            else:
+                q, kv = mod._splits[0], mod._splits[1]
+                found.append(("q_proj", {"q": (0, q), "qkv": (0, q)}))
+                found.append(("kv_proj", {"k": (0, kv), "v": (kv, 2 * kv), "qkv": (0, 2 * kv)}))
+            found.append(("out_proj", {"out": (0, mod.out_proj.out_features)}))
+        elif isinstance(mod, (FeedForward, SwiGLU)):
+            found.append(("fc_in", {"ffn_in": (0, mod.fc_in.out_features)}))
+            found.append(("fc_out", {"ffn_out": (0, mod.fc_out.out_features)}))
+        for attr, roles in found:
+            lin = getattr(mod, attr)
+            if type(lin) is not nn.Linear and not isinstance(lin, LoraLinear):
+                raise TypeError(f"qkv.peft: {pre}{attr} is a {type(lin).__name__}, not an "
+                                f"nn.Linear; LoRA wraps plain linear projections")
+            sites.append(_Site(mod, attr, pre + attr, roles))
+    return sites
+
+
+def _states(model: nn.Module) -> list[tuple[_Site, LoraState]]:
+    return [(s, s.state) for s in _sites(model) if s.state is not None]
+
+
+def _swap(site: _Site, state: LoraState) -> None:
+    """Put a ``LoraLinear`` or a plain ``nn.Linear`` (carrying ``state``) in place, as
+    ``state.engaged()`` asks; both share the same weight and bias Parameters."""
+    lin = site.linear
+    if state.engaged() == isinstance(lin, LoraLinear):
+        return
+    if state.engaged():
+        new = LoraLinear(lin.weight, lin.bias, state)
+    else:
+        new = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                        device="meta")  # no allocation: the Parameters are the old ones
+        new.weight = lin.weight
+        new.bias = lin.bias
+        new.lora = state
+    new.train(lin.training)
+    setattr(site.parent, site.attr, new)
+
+
+def _sync(states: list[tuple[_Site, LoraState]]) -> None:
+    for site, state in states:
+        _swap(site, state)
+
+
+def _require(model: nn.Module, fn: str) -> list[tuple[_Site, LoraState]]:
+    states = _states(model)
+    if not states:
+        raise ValueError(f"{fn}: the model has no LoRA adapter (add_lora / load_adapter)")
+    return states
+
+
+def adapter_names(model: nn.Module) -> list[str]:
+    """The LoRA adapter names of ``model``, in the order they were added."""
+    names: dict[str, None] = {}
+    for _, state in _states(model):
+        names.update(dict.fromkeys(state.keys()))
+    return list(names)
+
+
+def active_adapter(model: nn.Module) -> str | None:
+    """The active adapter's name (None when the model has no adapter)."""
+    states = _states(model)
+    return states[0][1].active if states else None
+
+
+def _check_name(name: object) -> str:
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or name == BASE \
+            or hasattr(LoraState({}, 0), name):
+        raise ValueError(f"qkv.peft: adapter name must be letters, digits, '_' or '-' and not "
+                         f"{BASE!r} or a ModuleDict attribute, got {name!r}")
+    return name
+
+
+def _check_unmerged(states: list[tuple[_Site, LoraState]], fn: str) -> None:
+    merged = {state.merged for _, state in states} - {None}
+    if merged:
+        raise ValueError(f"{fn}: adapter {sorted(merged)[0]!r} is merged into the weights; "
+                         f"call qkv.peft.unmerge(model) first")
+
+
+# --- building adapters ----------------------------------------------------------------------
+def plan_updates(model: nn.Module, config: LoraConfig, name: str,
+                 roles_by_site: dict[str, tuple[str, ...]] | None = None
+                 ) -> list[tuple[_Site, LoraUpdate]]:
+    """New (site, ``LoraUpdate``) pairs for adapter ``name`` on ``model`` — nothing attached
+    yet. ``roles_by_site`` (path -> roles) overrides ``config.targets`` per projection.
+
+    Raises:
+        ValueError when ``name`` exists, a target matches no projection, or an adapter is
+        merged; TypeError when a projection is not a plain linear layer.
+    """
+    if not isinstance(config, LoraConfig):
+        raise TypeError(f"qkv.peft: config must be a LoraConfig, got {type(config).__name__}")
+    _check_name(name)
+    sites = _sites(model)
+    states = [(s, s.state) for s in sites if s.state is not None]
+    _check_unmerged(states, "add_lora")
+    if any(state.disabled or state.rows is not None for _, state in states):
+        raise ValueError("add_lora: not inside disable_adapters() or adapter_rows()")
+    if name in adapter_names(model):
+        raise ValueError(f"add_lora: the model already has an adapter named {name!r}")
+    plan, used = [], set()
+    for site in sites:
+        roles = config.targets if roles_by_site is None else roles_by_site.get(site.path, ())
+        segs = [(role, *site.roles[role]) for role in roles if role in site.roles]
+        if not segs:
+            continue
+        used.update(role for role, _, _ in segs)
+        w = site.linear.weight
+        plan.append((site, LoraUpdate(config, segs, site.linear.in_features, device=w.device,
+                                      dtype=w.dtype)))
+    missing = [t for t in config.targets if t not in used]
+    if missing:
+        raise ValueError(f"add_lora: targets {missing} match no projection of "
+                         f"{type(model).__name__} (targets {config.targets})")
+    return plan
+
+
+def attach(model: nn.Module, plan: list[tuple[_Site, LoraUpdate]], name: str) -> None:
+    """Attach a ``plan_updates`` plan as adapter ``name``: every other parameter is frozen,
+    ``name`` becomes the active adapter."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for site, update in plan:
+        state = site.state
+        if state is None:
+            state = LoraState(site.roles, site.linear.out_features)
+            site.linear.lora = state
+        state[name] = update
+    set_adapter(model, name)
+
+
+def add_lora(model: nn.Module, config: LoraConfig, *, name: str = "default") -> nn.Module:
+    """Add a LoRA adapter to every projection ``config.targets`` names; freeze everything
+    else; make it the active (and only trainable) adapter. Returns ``model`` (changed in
+    place).
+
+    The model's outputs are unchanged until it trains (B = 0). Works on any model built from
+    qkv's ``MultiHeadAttention`` (self- and cross-attention), ``LinearAttention``,
+    ``FeedForward`` and ``SwiGLU``: ``GPT``, ``BERT``, ``Transformer``.
+
+    Args:
+        model: an nn.Module.
+        config: a ``LoraConfig``.
+        name: the adapter's name (letters, digits, '_' or '-'; not "base").
+
+    Raises:
+        ValueError: a name in use, a target no projection has, a merged adapter.
+
+    Example::
+
+        add_lora(model, LoraConfig(r=8, alpha=16, targets=("q", "k", "v")))
+        opt = torch.optim.AdamW(p for p in model.parameters() if p.requires_grad)
+    """
+    attach(model, plan_updates(model, config, name), name)
+    return model
+
+
+def set_adapter(model: nn.Module, name: str) -> None:
+    """Make adapter ``name`` the active one, its parameters trainable and the other
+    adapters' frozen (base parameters are left as they are)."""
+    states = _require(model, "set_adapter")
+    names = adapter_names(model)
+    if name not in names:
+        raise ValueError(f"set_adapter: no adapter named {name!r}; the model has {names}")
+    _check_unmerged(states, "set_adapter")
+    for _, state in states:
+        state.active = name
+        for n, update in state.items():
+            for p in update.parameters():
+                p.requires_grad_(n == name)
+    _sync(states)
+
+
+@contextlib.contextmanager
+def disable_adapters(model: nn.Module) -> Iterator[None]:
+    """Within the block the model computes its base outputs (every LoRA wrapper steps aside).
+
+    Raises ValueError while an adapter is merged (``unmerge`` first)."""
+    states = _require(model, "disable_adapters")
+    _check_unmerged(states, "disable_adapters")
+    before = [state.disabled for _, state in states]
+    for _, state in states:
+        state.disabled = True
+    _sync(states)
+    try:
+        yield
+    finally:
+        for (_, state), was in zip(states, before, strict=True):
+            state.disabled = was
+        _sync(states)
+
+
+@contextlib.contextmanager
+def adapter_rows(model: nn.Module, names: Sequence[str]) -> Iterator[None]:
+    """Mixed-adapter batches: within the block, row i of every forward's batch uses adapter
+    ``names[i]`` ("base": none), whatever the active adapter; each row's output equals that
+    row run alone with its adapter active. The models' signatures are unchanged: every
+    projection checks that its input's batch (first) dimension is ``len(names)``.
+
+    Raises ValueError for an unknown name, an empty list, or a merged adapter.
+
+    Example::
+
+        with adapter_rows(model, ["fr", "base", "de"]):
+            logits = model(ids).logits        # ids (3, N)
+    """
+    states = _require(model, "adapter_rows")
+    if isinstance(names, str) or not isinstance(names, Sequence) or not names:
+        raise ValueError(f"adapter_rows: names must be a non-empty sequence of adapter names "
+                         f"(one per batch row), got {names!r}")
+    known = adapter_names(model)
+    bad = sorted({n for n in names if n != BASE and n not in known}, key=str)
+    if bad:
+        raise ValueError(f"adapter_rows: unknown adapter names {bad}; the model has {known} "
+                         f"(and {BASE!r} for no adapter)")
+    _check_unmerged(states, "adapter_rows")
+    rows = tuple(names)
+    for _, state in states:
+        state.set_rows(rows)
+    _sync(states)
+    try:
+        yield
+    finally:
+        for _, state in states:
+            state.set_rows(None)
+        _sync(states)
+
+
+# --- merging --------------------------------------------------------------------------------
+@torch.no_grad()
+def merge(model: nn.Module) -> None:
+    """Fold the active adapter into the projection weights: W += scale · B A. The wrappers
+    step aside, so inference costs exactly the base model's. ``unmerge`` undoes it.
+
+    Raises ValueError with no adapter, an adapter already merged, or inside
+    ``disable_adapters`` / ``adapter_rows``."""
+    states = _require(model, "merge")
+    _check_unmerged(states, "merge")
+    if any(state.disabled or state.rows is not None for _, state in states):
+        raise ValueError("merge: not inside disable_adapters() or adapter_rows()")
+    for site, state in states:
+        if state.active in state:
+            w = site.linear.weight
+            w.add_(state[state.active].delta_weight(w.shape[0]).to(w.dtype))
+    for _, state in states:
+        state.merged = state.active
+    _sync(states)
+
+
+@torch.no_grad()
+def unmerge(model: nn.Module) -> None:
+    """Restore the base weights after ``merge`` (W -= scale · B A; equal within rounding).
+
+    Raises ValueError when nothing is merged."""
+    states = _require(model, "unmerge")
+    if all(state.merged is None for _, state in states):
+        raise ValueError("unmerge: no adapter is merged")
+    for site, state in states:
+        if state.merged in state:
+            w = site.linear.weight
+            w.sub_(state[state.merged].delta_weight(w.shape[0]).to(w.dtype))
+    for _, state in states:
+        state.merged = None
+    _sync(states)
+
+
+def unload(model: nn.Module) -> nn.Module:
+    """Remove every LoRA adapter, leaving plain ``nn.Linear`` projections: with the merged
+    adapter folded in after ``merge`` (a plain fine-tuned model to ``save_pretrained``), the
+    base weights otherwise. ``requires_grad`` flags are left as they are. Returns ``model``."""
+    for site, _ in _require(model, "unload"):
+        lin = site.linear
+        new = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                        device="meta")
+        new.weight, new.bias = lin.weight, lin.bias
+        setattr(site.parent, site.attr, new.train(lin.training))
+    return model
