@@ -167,6 +167,13 @@ def _run(args: argparse.Namespace) -> int:
     run = Path(args.run)
     model, tok = load_run(run)
     model.eval()
+    from ..peft import PrefixAttention
+
+    if any(isinstance(m, PrefixAttention) and m.active is not None for m in model.modules()):
+        raise UserError(f"{run} trained a prefix (learned key/value positions before every "
+                        f"token); its attention maps have key columns no token labels, which "
+                        f"qkv attention does not draw yet (qkv.viz.attention_maps returns "
+                        f"them, prefix columns first)")
     n_layers, n_heads = _stack_sizes(model)
     layer = _index("layer", args.layer, n_layers)
     head = _index("head", args.head, n_heads)

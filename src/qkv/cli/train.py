@@ -18,6 +18,10 @@ EXAMPLES = """examples:
   qkv train --model gpt --data corpus.txt --max-len 256 --schedule cosine --lr 6e-4
   qkv train --model gpt --task addition --set positions=rope
   qkv train --model bert-mlm --data corpus.txt
+  qkv train --task dates-long --init-from runs/dates --lora r=8,alpha=16,targets=q+v
+  qkv train --task dates-long --init-from runs/dates --adapters reduction_factor=16
+  qkv train --model gpt --data corpus.txt --init-from runs/gpt-text --prefix 16
+  qkv train --task dates-long --init-from runs/dates           # full fine-tuning
   torchrun --nproc-per-node 2 -m qkv.cli train --task dates --batch-size 128
   torchrun --nproc-per-node 4 -m qkv.cli train --data pairs.tsv --device cuda   # nccl
 
@@ -28,6 +32,18 @@ trainer state): load it with qkv.train.load_run(DIR) or Model.from_pretrained(DI
 One process writes a run directory at a time (RUN/.lock while it trains); a second qkv train
 on the same --out or --resume is refused, naming the holder's pid. Before anything is
 written, settings, data, model sizes and memory are checked: what is refused leaves nothing.
+
+Fine-tuning: --init-from RUN_OR_HF_DIR starts from a trained base (a qkv run or checkpoint,
+or a HuggingFace GPT-2/BERT directory with a tokenizer.json qkv reads); the base fixes the
+model, tokenizer and max_len (--preset, --set, --tokenizer, --bpe-vocab-size are refused;
+--model defaults to the base's kind). With --lora / --adapters / --prefix only the new
+adapter trains (qkv.peft) and the checkpoint holds the adapter and base.json (the base's
+path and sha256): resume, translate, generate and attention refuse a changed base.
+--lora KEYS: r (int), alpha, dropout, targets (roles joined by +: q k v qkv out ffn_in
+ffn_out), rslora (true/false). --adapters KEYS: reduction_factor, placement (houlsby,
+pfeiffer, parallel), activation, dropout, scaling. --prefix N: N prefix positions per layer.
+Keys are comma-separated KEY=VALUE (--lora alone: the defaults). `qkv peft merge RUN --out
+DIR` folds a LoRA run into a plain model directory.
 """
 
 #: (flag, TrainConfig field, type, help); every one defaults to the TrainConfig default
@@ -51,7 +67,103 @@ _SETTINGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--eval-examples", "eval_examples", int, "held-out examples per evaluation (default 200)"),
     ("--max-len", "max_len", int, "longest sequence / text window in tokens (default: derived)"),
     ("--seed", "seed", int, "seed of initialisation, dropout and data order (default 0)"),
+    ("--init-from", "init_from", str, "fine-tune a trained base: a qkv run/checkpoint or a "
+                                      "HuggingFace GPT-2/BERT directory"),
 )
+
+#: --lora / --adapters keys -> (parser, what the value must be)
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def _lora_fields() -> dict[str, Any]:
+    from ..peft import TARGETS
+    from .checks import float_in, int_in
+
+    def targets(text: str) -> list[str]:
+        roles = [t.strip() for t in text.split("+")]
+        bad = [t for t in roles if t not in TARGETS]
+        if bad:
+            raise argparse.ArgumentTypeError(f"roles joined by '+' from {'/'.join(TARGETS)}, "
+                                             f"got {text!r}")
+        return roles
+
+    return {"r": int_in(1), "alpha": float_in(0, low_open=True),
+            "dropout": float_in(0, 1, high_open=True), "targets": targets, "rslora": _bool}
+
+
+def _adapter_fields() -> dict[str, Any]:
+    from ..modules.feedforward import ACTIVATIONS
+    from ..peft.adapters import PLACEMENTS
+    from .checks import float_in
+
+    return {"reduction_factor": _number(float_in(0, low_open=True)),
+            "placement": _choice(PLACEMENTS), "activation": _choice(tuple(ACTIVATIONS)),
+            "dropout": float_in(0, 1, high_open=True), "scaling": float_in()}
+
+
+def _bool(text: str) -> bool:
+    if text.strip().lower() not in _BOOLS:
+        raise argparse.ArgumentTypeError(f"true or false, got {text!r}")
+    return _BOOLS[text.strip().lower()]
+
+
+def _choice(options: tuple[str, ...]) -> Any:
+    def parse(text: str) -> str:
+        if text not in options:
+            raise argparse.ArgumentTypeError(f"one of {', '.join(options)}, got {text!r}")
+        return text
+
+    return parse
+
+
+def _number(parse_float: Any) -> Any:
+    """A float type that keeps integers as ints (reduction_factor=16 stays 16)."""
+
+    def parse(text: str) -> float | int:
+        value = parse_float(text)
+        return int(value) if float(value).is_integer() else value
+
+    return parse
+
+
+def key_values(flag: str, kind: str, fields: Any) -> Any:
+    """An argparse type for ``--lora r=8,alpha=16,targets=q+v``-style flags: comma-separated
+    KEY=VALUE pairs, each KEY one of ``fields()`` (name -> an argparse type), giving
+    ``{"kind": kind, KEY: value, ...}`` (a ``TrainConfig.peft``), checked whole with
+    ``qkv.train.finetune.peft_config``. Errors name the flag's bad key or value (argparse
+    prefixes ``argument FLAG:``)."""
+
+    def parse(text: str) -> dict[str, Any]:
+        from ..train.finetune import peft_config
+
+        table = fields()
+        out: dict[str, Any] = {"kind": kind}
+        for item in (i.strip() for i in text.split(",")):
+            if not item:
+                continue
+            key, sep, value = item.partition("=")
+            key = key.strip()
+            if not sep or not key:
+                raise argparse.ArgumentTypeError(f"expects KEY=VALUE pairs separated by commas "
+                                                 f"({', '.join(table)}), got {item!r}")
+            if key not in table:
+                raise argparse.ArgumentTypeError(f"unknown key {key!r} (known: "
+                                                 f"{', '.join(table)})")
+            if key in out:
+                raise argparse.ArgumentTypeError(f"key {key!r} given twice")
+            try:
+                out[key] = table[key](value.strip())
+            except argparse.ArgumentTypeError as exc:
+                raise argparse.ArgumentTypeError(f"{key}={value}: must be {exc}".replace(
+                    "must be must be", "must be")) from None
+        try:
+            peft_config(out)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return out
+
+    parse.__name__ = f"{flag} KEY=VALUE list"
+    return parse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -61,6 +173,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     for flag, field, kind, text in _SETTINGS:
         p.add_argument(flag, dest=field, type=kind, default=None, help=text)
+    from .checks import int_in
+
+    peft = p.add_mutually_exclusive_group()
+    peft.add_argument("--lora", nargs="?", const={"kind": "lora"}, default=None,
+                      type=key_values("--lora", "lora", _lora_fields), metavar="KEY=VALUE,...",
+                      help="with --init-from: train a LoRA adapter only, e.g. "
+                           "r=8,alpha=16,targets=q+v (keys: r, alpha, dropout, targets, rslora)")
+    peft.add_argument("--adapters", nargs="?", const={"kind": "adapters"}, default=None,
+                      type=key_values("--adapters", "adapters", _adapter_fields),
+                      metavar="KEY=VALUE,...",
+                      help="with --init-from: train bottleneck adapters only, e.g. "
+                           "reduction_factor=16,placement=houlsby (keys: reduction_factor, "
+                           "placement, activation, dropout, scaling)")
+    peft.add_argument("--prefix", type=int_in(1), default=None, metavar="N",
+                      help="with --init-from: train N-position key/value prefixes only")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a model config field (JSON value or a string), repeatable")
     p.add_argument("--out", default=None, help="run directory (default runs/<model>-<data>-"
@@ -93,7 +220,34 @@ def _overrides(items: list[str]) -> dict[str, Any]:
 
 
 #: TrainConfig field -> the flag that sets it
-_FLAGS = {field: flag for flag, field, _, _ in _SETTINGS} | {"overrides": "--set"}
+_FLAGS = {field: flag for flag, field, _, _ in _SETTINGS} | {"overrides": "--set",
+                                                             "peft": "--lora/--adapters/--prefix"}
+
+
+def _peft(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The TrainConfig.peft of --lora / --adapters / --prefix (at most one: argparse)."""
+    if args.lora is not None:
+        return dict(args.lora)
+    if args.adapters is not None:
+        return dict(args.adapters)
+    if args.prefix is not None:
+        return {"kind": "prefix", "num_tokens": args.prefix}
+    return None
+
+
+def _check_init_from(args: argparse.Namespace, given: dict[str, Any]) -> None:
+    """Refuse what the base fixes; --model defaults to the base's kind."""
+    from ..train.finetune import base_model_kind
+    from . import UserError
+
+    fixed = [flag for flag, field in (("--preset", "preset"), ("--tokenizer", "tokenizer"),
+                                      ("--bpe-vocab-size", "bpe_vocab_size"))
+             if field in given] + (["--set"] if args.overrides else [])
+    if fixed:
+        raise UserError(f"--init-from {given['init_from']}: the base fixes the architecture and "
+                        f"tokenizer; leave out {', '.join(fixed)}")
+    if "model" not in given:
+        given["model"] = base_model_kind(given["init_from"])
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -117,6 +271,8 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume:
         extra = sorted(set(given) - {"steps"}) + (["--set"] if args.overrides else []) + (
             ["--out"] if args.out else [])
+        extra += [f for f in ("--lora", "--adapters", "--prefix")
+                  if getattr(args, f[2:]) is not None]
         if extra:
             raise UserError(f"--resume continues a run with its own settings; only --steps may "
                             f"be given with it (got {', '.join(extra)})")
@@ -132,15 +288,28 @@ def _train(args: argparse.Namespace) -> int:
             given["task"] = None
         if "data" in given and not Path(given["data"]).is_file():
             raise UserError(f"--data {given['data']}: no such file")
-        config = TrainConfig(**given, overrides=_overrides(args.overrides))
+        peft = _peft(args)
+        if peft is not None and "init_from" not in given:
+            flag = {"lora": "--lora", "adapters": "--adapters", "prefix": "--prefix"}[
+                peft["kind"]]
+            raise UserError(f"{flag} needs --init-from RUN_OR_HF_DIR: an adapter trains on a "
+                            f"frozen, trained base")
+        if "init_from" in given:
+            _check_init_from(args, given)
+        config = TrainConfig(**given, overrides=_overrides(args.overrides), peft=peft)
         stem = Path(config.data).stem if config.data else config.task
         out = Path(args.out or f"runs/{config.model}-{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
         trainer = Trainer(config, out, progress=progress, device=args.device)
     if trainer.world.is_main:
+        from ..peft import trainable_summary
+
         n = sum(p.numel() for p in trainer.model.parameters())
-        print(f"qkv train: {trainer.config.model} ({n / 1e6:.2f}M parameters) on "
-              f"{trainer.device}, steps "
-              f"{trainer.step} -> {trainer.config.steps}, run directory {out}")
+        c = trainer.config
+        start = f" from {c.init_from}" if c.init_from else ""
+        adapter = f" + {c.peft['kind']} adapter" if c.peft else ""
+        print(f"qkv train: {c.model}{adapter} ({n / 1e6:.2f}M parameters){start} on "
+              f"{trainer.device}, steps {trainer.step} -> {c.steps}, run directory {out}")
+        print(f"qkv train: {trainable_summary(trainer.model)}")
     try:
         result = trainer.run()
     except TrainingError as exc:

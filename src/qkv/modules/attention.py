@@ -324,7 +324,17 @@ class MultiHeadAttention(nn.Module):
 
     # --- torch.nn.MultiheadAttention interop ------------------------------------------------
     def _split_weights(self) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor | None, ...]]:
-        """(Wq (H·D, C), Wk (Hkv·D, Ckv), Wv (Hkv·D, Ckv), (bq, bk, bv) or Nones)."""
+        """(Wq (H·D, C), Wk (Hkv·D, Ckv), Wv (Hkv·D, Ckv), (bq, bk, bv) or Nones).
+
+        Raises ValueError when a projection is not a plain ``nn.Linear`` (an unmerged
+        ``qkv.peft`` LoRA wrapper computes more than its ``weight``)."""
+        for name in ("in_proj", "q_proj", "kv_proj", "out_proj"):
+            proj = getattr(self, name, None)
+            if proj is not None and type(proj) is not nn.Linear:
+                raise ValueError(f"MultiHeadAttention: {name} is a {type(proj).__name__}, whose "
+                                 f"output is not its weight alone (an unmerged LoRA adapter); "
+                                 f"call qkv.peft.merge(model) first, or export inside "
+                                 f"qkv.peft.disable_adapters(model) for the base weights")
         if self.in_proj is not None:
             ws = self.in_proj.weight.split(self._splits, dim=0)
             bs = ((None,) * 3 if self.in_proj.bias is None
@@ -387,16 +397,16 @@ class MultiHeadAttention(nn.Module):
 
         Grouped-query heads are expanded (each kv head's weights repeated for its query
         heads), which is exact. Refused (ValueError) with a ``rope`` module, which torch's
-        module cannot express.
+        module cannot express, and with an unmerged ``qkv.peft`` LoRA (``merge`` first).
         """
         if self.rope is not None:
             raise ValueError("MultiHeadAttention.to_torch: a module with rope= has no "
                              "torch.nn.MultiheadAttention equivalent")
+        wq, wk, wv, (bq, bk, bv) = self._split_weights()  # refuses an unmerged LoRA first
         w_out = self.out_proj.weight
         m = nn.MultiheadAttention(self.dim, self.num_heads, dropout=self.dropout,
                                   bias=self.has_bias, kdim=self.kv_dim, vdim=self.kv_dim,
                                   batch_first=True, device=w_out.device, dtype=w_out.dtype)
-        wq, wk, wv, (bq, bk, bv) = self._split_weights()
         group = self.num_heads // self.num_kv_heads
 
         def expand(t: Tensor) -> Tensor:  # (Hkv·D, ...) -> (H·D, ...)

@@ -1,6 +1,8 @@
 """Parameter-efficient fine-tuning on qkv's models, added from the outside (the models do
 not import this package): LoRA on the fused QKV projection and the other linears, named
-adapters, mixed-adapter batches, merge/unmerge, adapter files (qkv's and HF PEFT's).
+adapters, mixed-adapter batches, merge/unmerge, adapter files (qkv's and HF PEFT's);
+bottleneck adapters and prefix tuning. ``save_adapter`` / ``load_adapter`` /
+``set_adapter`` / ``disable_adapters`` handle every kind (``qkv.peft.switch``).
 
 Example::
 
@@ -22,25 +24,24 @@ from .adapters import (
     save_adapters,
 )
 from .config import TARGETS, LoraConfig
-from .files import load_adapter, save_adapter
-from .lora import (
-    LoraLinear,
-    active_adapter,
-    adapter_names,
-    adapter_rows,
-    add_lora,
-    disable_adapters,
-    merge,
-    set_adapter,
-    unload,
-    unmerge,
+from .files import adapter_file_kind, load_adapter, save_adapter
+from .lora import LoraLinear, adapter_rows, add_lora, merge, unload, unmerge
+from .prefix import (
+    PrefixAttention,
+    PrefixConfig,
+    PrefixKVCache,
+    add_prefix,
+    load_prefix,
+    remove_prefix,
+    save_prefix,
 )
-from .prefix import PrefixAttention, PrefixConfig, PrefixKVCache, add_prefix
 from .summary import count_parameters, trainable_summary
+from .switch import active_adapter, adapter_kinds, adapter_names, disable_adapters, set_adapter
 
 __all__ = ["TARGETS", "AdaptedSublayer", "AdapterConfig", "LoraConfig", "LoraLinear",
            "PrefixAttention", "PrefixConfig", "PrefixKVCache", "active_adapter",
-           "adapter_names", "adapter_rows", "add_adapters", "add_lora", "add_prefix",
-           "count_parameters", "disable_adapters", "load_adapter", "load_adapters", "merge",
-           "remove_adapters", "save_adapter", "save_adapters", "set_adapter",
+           "adapter_file_kind", "adapter_kinds", "adapter_names", "adapter_rows",
+           "add_adapters", "add_lora", "add_prefix", "count_parameters", "disable_adapters",
+           "load_adapter", "load_adapters", "load_prefix", "merge", "remove_adapters",
+           "remove_prefix", "save_adapter", "save_adapters", "save_prefix", "set_adapter",
            "trainable_summary", "unload", "unmerge"]

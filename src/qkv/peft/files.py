@@ -1,7 +1,11 @@
-"""LoRA adapter files: qkv's own (``save_adapter``) and HF PEFT's, read by ``load_adapter``.
+"""Adapter files, every kind through one entry point: ``save_adapter`` / ``load_adapter``
+write and read LoRA adapters (qkv's own files and HF PEFT's LoRA files), bottleneck adapters
+(``qkv.peft.adapters``) and prefixes (``qkv.peft.prefix``).
 
 A directory holds ``adapter_config.json`` and ``adapter_model.safetensors`` with only the
-adapter's tensors (kilobytes to a few megabytes, never the base weights).
+adapter's tensors (kilobytes to a few megabytes, never the base weights). The JSON's
+``"kind"`` says which: "lora", "bottleneck" or "prefix" (HF PEFT's files have
+``"peft_type"`` instead); each is ``{"kind", "name", "config", "base": {"class", "config"}}``.
 
 qkv's files: the JSON is ``{"kind": "lora", "name", "config": LoraConfig.to_dict(), "base":
 {"class", "config"}}``; the tensors are keyed by the projection's module path and the
@@ -42,9 +46,9 @@ from torch import Tensor, nn
 
 from ..models.hub import CheckpointError, atomic_write, read_json
 from .config import LoraConfig
-from .lora import _sites, _states, active_adapter, adapter_names, attach, plan_updates
+from .lora import _sites, _states, attach, plain_path, plan_updates
 
-__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "load_adapter", "save_adapter"]
+__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "adapter_file_kind", "load_adapter", "save_adapter"]
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -70,22 +74,41 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, name: str | None 
                  ) -> Path:
     """Write adapter ``name`` (default: the active one) of ``model`` into directory ``path``
     (created if needed): ``adapter_config.json`` + ``adapter_model.safetensors`` holding
-    only the adapter's A and B tensors. Writes are atomic. Returns the directory.
+    only the adapter's tensors — LoRA's A and B, a bottleneck adapter's down/up projections,
+    or a prefix's keys/values. Writes are atomic. Returns the directory.
 
     Raises:
-        ValueError: the model has no adapter, or none named ``name``.
+        ValueError: the model has no adapter, none named ``name``, or ``name`` is held by
+            several kinds (a LoRA and a bottleneck adapter of the same name).
     """
-    names = adapter_names(model)
+    from .adapters import save_adapters
+    from .prefix import save_prefix
+    from .switch import active_adapter, adapter_kinds
+
+    kinds = adapter_kinds(model)
     name = active_adapter(model) if name is None else name
-    if name not in names:
-        raise ValueError(f"save_adapter: no adapter named {name!r}; the model has {names}")
+    if name not in kinds:
+        raise ValueError(f"save_adapter: no adapter named {name!r}; the model has "
+                         f"{list(kinds)}")
+    if len(kinds[name]) > 1:
+        raise ValueError(f"save_adapter: {name!r} names adapters of several kinds "
+                         f"{kinds[name]}; save them from models holding one each")
+    kind = kinds[name][0]
+    if kind == "bottleneck":
+        return save_adapters(model, path, name=name)
+    if kind == "prefix":
+        return save_prefix(model, path, name=name)
+    return _save_lora(model, path, name)
+
+
+def _save_lora(model: nn.Module, path: str | os.PathLike, name: str) -> Path:
     tensors, config = {}, None
     for site, state in _states(model):
         if name in state:
             update = state[name]
             config = update.config
             for pname, p in update.named_parameters():
-                tensors[f"{site.path}.{pname}"] = p.detach().cpu().contiguous()
+                tensors[f"{plain_path(site.path)}.{pname}"] = p.detach().cpu().contiguous()
     base_config = getattr(model, "config", None)
     base = {"class": type(model).__name__,
             "config": base_config.to_dict() if hasattr(base_config, "to_dict") else None}
@@ -99,11 +122,31 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, name: str | None 
     return path
 
 
+def adapter_file_kind(path: str | os.PathLike) -> str:
+    """The kind of the adapter saved in directory ``path``: "lora" (qkv's or HF PEFT's),
+    "bottleneck" or "prefix".
+
+    Raises:
+        CheckpointError: no readable adapter_config.json, or an unknown kind.
+    """
+    meta = read_json(Path(path) / CONFIG_NAME)
+    if "peft_type" in meta:
+        return "lora"
+    kind = meta.get("kind")
+    if kind not in ("lora", "bottleneck", "prefix"):
+        raise CheckpointError(f"{Path(path) / CONFIG_NAME}: not a qkv adapter (kind {kind!r}; "
+                              f"expected 'lora', 'bottleneck' or 'prefix', or HF PEFT's "
+                              f"peft_type)")
+    return kind
+
+
 def load_adapter(model: nn.Module, path: str | os.PathLike, *, name: str | None = None
                  ) -> str:
-    """Add the LoRA adapter saved in directory ``path`` to ``model`` and make it the active
-    (and only trainable) one — qkv's ``save_adapter`` files or HF PEFT's LoRA files for a
-    GPT-2 / BERT checkpoint loaded by ``qkv.models.from_hf`` (see the module docstring).
+    """Add the adapter saved in directory ``path`` to ``model`` and make it the active (and
+    only trainable) one: a LoRA adapter (qkv's ``save_adapter`` files, or HF PEFT's LoRA
+    files for a GPT-2 / BERT checkpoint loaded by ``qkv.models.from_hf``; see the module
+    docstring), a bottleneck adapter or a prefix (``save_adapter``'s files). Adapters of the
+    other kinds step aside (``qkv.peft.set_adapter``).
 
     Everything is checked before anything is attached: on any error the model is unchanged.
 
@@ -119,7 +162,22 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, name: str | None 
         CheckpointError (a ValueError) naming the file and the mismatch: missing files, an
         unknown format, another architecture, unknown or missing tensors, other shapes.
     """
-    path = Path(path)
+    from .adapters import load_adapters
+    from .prefix import load_prefix
+    from .switch import set_adapter
+
+    kind = adapter_file_kind(path)
+    if kind == "bottleneck":
+        name = load_adapters(model, path, name=name)
+    elif kind == "prefix":
+        name = load_prefix(model, path, name=name)
+    else:
+        name = _load_lora(model, Path(path), name)
+    set_adapter(model, name)
+    return name
+
+
+def _load_lora(model: nn.Module, path: Path, name: str | None) -> str:
     meta = read_json(path / CONFIG_NAME)
     tensors = _read_tensors(path / WEIGHTS_NAME)
     if "peft_type" in meta:
@@ -135,7 +193,7 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, name: str | None 
         plan = plan_updates(model, config, name, roles_by_site)
     except ValueError as err:
         raise CheckpointError(f"{path}: {err}") from err
-    params = {f"{site.path}.{pname}": p
+    params = {f"{plain_path(site.path)}.{pname}": p
               for site, update in plan for pname, p in update.named_parameters()}
     missing = sorted(set(params) - set(tensors))
     unknown = sorted(set(tensors) - set(params))
@@ -243,7 +301,7 @@ def _from_peft(model: nn.Module, meta: dict, tensors: dict[str, Tensor], path: P
     except ValueError as err:
         raise CheckpointError(f"{where}: {err}") from err
     for role in config.targets:  # every layer, as a qkv config targets them
-        want = {s.path for s in _sites(model) if role in s.roles}
+        want = {plain_path(s.path) for s in _sites(model) if role in s.roles}
         have = {s for s, roles in roles_by_site.items() if role in roles}
         if have != want:
             raise CheckpointError(f"{path / WEIGHTS_NAME}: LoRA on role {role!r} covers "

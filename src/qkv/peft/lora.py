@@ -236,6 +236,15 @@ class _Site:
         return s if isinstance(s, LoraState) else None
 
 
+def plain_path(path: str) -> str:
+    """A module path as the unwrapped model spells it: the ``.base`` segments that bottleneck
+    adapter and prefix wrappers insert are removed (``layers.0.attn.base.in_proj`` ->
+    ``layers.0.attn.in_proj``), so LoRA files fit a model with or without those wrappers."""
+    while ".base." in f".{path}.":
+        path = f".{path}.".replace(".base.", ".", 1).strip(".")
+    return path
+
+
 def _fused_roles(splits: tuple[int, int, int]) -> dict[str, tuple[int, int]]:
     q, k, v = splits
     return {"q": (0, q), "k": (q, q + k), "v": (q + k, q + k + v), "qkv": (0, q + k + v)}
@@ -353,7 +362,8 @@ def plan_updates(model: nn.Module, config: LoraConfig, name: str,
         raise ValueError(f"add_lora: the model already has an adapter named {name!r}")
     plan, used = [], set()
     for site in sites:
-        roles = config.targets if roles_by_site is None else roles_by_site.get(site.path, ())
+        roles = (config.targets if roles_by_site is None
+                 else roles_by_site.get(plain_path(site.path), ()))
         segs = [(role, *site.roles[role]) for role in roles if role in site.roles]
         if not segs:
             continue

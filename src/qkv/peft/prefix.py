@@ -30,19 +30,26 @@ sliding-window attention, a cache not made by the prefixed model's ``new_cache``
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from ..models.hub import CheckpointError, atomic_write, read_json
 from ..modules.attention import MultiHeadAttention
 from ..modules.cache import KVCache
 from ..modules.layers import DecoderLayer, EncoderLayer
 from ..ops.masks import And, Causal, DenseMask, Mask, Padding, as_mask
-from .adapters import AdaptedSublayer, train_only
+from .adapters import CONFIG_NAME, WEIGHTS_NAME, AdaptedSublayer, train_only
 
-__all__ = ["PrefixAttention", "PrefixConfig", "PrefixKVCache", "add_prefix",
-           "prefix_mask"]
+__all__ = ["PrefixAttention", "PrefixConfig", "PrefixKVCache", "add_prefix", "load_prefix",
+           "prefix_mask", "prefix_names", "remove_prefix", "save_prefix"]
+
+KIND = "prefix"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +72,10 @@ class PrefixConfig:
         if not isinstance(s, (int, float)) or isinstance(s, bool) or not 0 < s < float("inf"):
             raise ValueError(f"PrefixConfig: init_std must be a positive finite number, "
                              f"got {s!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict."""
+        return dataclasses.asdict(self)
 
 
 class _Shifted(Mask):
@@ -367,5 +378,120 @@ def add_prefix(model: nn.Module, config: PrefixConfig, *, name: str = "default")
     for m in model.modules():
         if isinstance(m, PrefixAttention):
             m.set_active(name)
+    model._qkv_prefix_configs = {**getattr(model, "_qkv_prefix_configs", {}), name: config}
     train_only(model, new)
     return model
+
+
+def prefix_names(model: nn.Module) -> list[str]:
+    """Names of the prefixes in ``model``, in the order they were added."""
+    names: dict[str, None] = {}
+    for m in model.modules():
+        if isinstance(m, PrefixAttention):
+            names.update(dict.fromkeys(m.prefixes))
+    return list(names)
+
+
+def remove_prefix(model: nn.Module, name: str) -> nn.Module:
+    """Delete the prefix ``name``; a self-attention left without prefixes is unwrapped (its
+    module and state-dict keys are the original ones again). In place; returns ``model``.
+
+    Raises ValueError when there is no prefix ``name``."""
+    if name not in prefix_names(model):
+        raise ValueError(f"remove_prefix: no prefix named {name!r} (have "
+                         f"{prefix_names(model)})")
+    for layer in [m for m in model.modules() if isinstance(m, (EncoderLayer, DecoderLayer))]:
+        owner, attr = _site(layer)
+        attn = getattr(owner, attr)
+        if isinstance(attn, PrefixAttention) and name in attn.prefixes:
+            del attn.prefixes[name]
+            if attn.active == name:
+                attn.set_active(None)
+            if not len(attn.prefixes):
+                setattr(owner, attr, attn.base)
+    configs = dict(getattr(model, "_qkv_prefix_configs", {}))
+    configs.pop(name, None)
+    model._qkv_prefix_configs = configs
+    return model
+
+
+def _prefix_state(model: nn.Module, name: str) -> dict[str, Tensor]:
+    """The prefix's tensors keyed by model path, ``prefixes.<name>`` written ``prefixes.*``
+    (so a file loads under any name)."""
+    tag = f".prefixes.{name}."
+    return {k.replace(tag, ".prefixes.*."): v for k, v in model.state_dict().items()
+            if tag in k}
+
+
+def save_prefix(model: nn.Module, path: str | Path, *, name: str | None = None) -> Path:
+    """Write prefix ``name`` (default: the active one) to directory ``path``:
+    ``adapter_config.json`` ({"kind": "prefix", "name", "config", "base": {"class",
+    "config"}}) and ``adapter_model.safetensors`` (its (Hkv, P, D) keys/values only, never
+    the base weights). Atomic per file. Returns the directory.
+
+    Raises ValueError when the model has no such prefix."""
+    configs = getattr(model, "_qkv_prefix_configs", {})
+    if name is None:
+        actives = {m.active for m in model.modules() if isinstance(m, PrefixAttention)}
+        name = next(iter(actives)) if len(actives) == 1 else None
+    if name not in configs:
+        raise ValueError(f"save_prefix: no prefix named {name!r} (have {sorted(configs)})")
+    state = {k: v.detach().contiguous().cpu() for k, v in _prefix_state(model, name).items()}
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    base_config = getattr(model, "config", None)
+    base = {"class": type(model).__name__,
+            "config": base_config.to_dict() if hasattr(base_config, "to_dict") else None}
+    meta = {"kind": KIND, "name": name, "config": configs[name].to_dict(), "base": base}
+    text = json.dumps(meta, indent=2, sort_keys=True, default=str)
+    atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"kind": KIND}))
+    atomic_write(path / CONFIG_NAME, lambda tmp: Path(tmp).write_text(text))
+    return path
+
+
+def load_prefix(model: nn.Module, path: str | Path, *, name: str | None = None) -> str:
+    """Add the prefix saved in directory ``path`` (by ``save_prefix``) to ``model`` as
+    ``name`` (default: its saved name) and make it active; everything else is frozen. A
+    mismatch (another model class, other shapes or layers) raises one ``CheckpointError``
+    and leaves the model as it was. Returns the prefix's name."""
+    path = Path(path)
+    meta = read_json(path / CONFIG_NAME)
+    if meta.get("kind") != KIND or not isinstance(meta.get("config"), dict):
+        raise CheckpointError(f"{path / CONFIG_NAME}: not a qkv prefix (kind "
+                              f"{meta.get('kind')!r})")
+    made_for = (meta.get("base") or {}).get("class")
+    if made_for not in (None, type(model).__name__):
+        raise CheckpointError(f"{path}: the prefix was made for a {made_for}, this model is "
+                              f"a {type(model).__name__}")
+    try:
+        config = PrefixConfig(**meta["config"])
+        state = load_file(str(path / WEIGHTS_NAME))
+    except (TypeError, ValueError, OSError, SafetensorError) as err:
+        raise CheckpointError(f"{path}: cannot read the prefix: {err}") from err
+    name = meta.get("name", "default") if name is None else name
+    grads = {id(p): p.requires_grad for p in model.parameters()}
+    actives = {m: m.active for m in model.modules() if isinstance(m, PrefixAttention)}
+    try:
+        add_prefix(model, config, name=name)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: {err}") from err
+    want = _prefix_state(model, name)
+    missing = sorted(set(want) - set(state))
+    unknown = sorted(set(state) - set(want))
+    shapes = [f"{k}: file {tuple(state[k].shape)}, model {tuple(want[k].shape)}"
+              for k in sorted(set(want) & set(state)) if state[k].shape != want[k].shape]
+    if missing or unknown or shapes:
+        remove_prefix(model, name)
+        for m, a in actives.items():
+            m.set_active(a)
+        for p in model.parameters():
+            p.requires_grad_(grads.get(id(p), p.requires_grad))
+        parts = [f"missing {missing[:5]}" if missing else "",
+                 f"unknown {unknown[:5]}" if unknown else "", "; ".join(shapes[:5])]
+        raise CheckpointError(f"{path}: the prefix does not fit this model: "
+                              + "; ".join(p for p in parts if p))
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for k in want:
+            params[k.replace(".prefixes.*.", f".prefixes.{name}.")].copy_(state[k])
+    return name

@@ -8,6 +8,9 @@ A run directory written by ``qkv train --out RUN``::
     RUN/metrics.jsonl          one JSON object per logged step / evaluation
     RUN/checkpoint/            the latest checkpoint, complete and self-contained:
         config.json, model.safetensors   the model (``Model.from_pretrained(RUN/checkpoint)``)
+                                         — or, for a run with ``peft`` (``qkv.train.finetune``):
+        adapter_config.json,             the adapter only (``qkv.peft.load_adapter``), and
+        adapter_model.safetensors, base.json  the base it adapts: {path, sha256 of weights}
         tokenizer.json                   the ``qkv.data`` tokenizer
         run.json                         a copy of the training configuration
         trainer_state.json               step, data position, optimizer hyper-parameters
@@ -90,13 +93,15 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
 
 def save_checkpoint(run_dir: str | os.PathLike, *, model: nn.Module, tokenizer: Any,
                     optimizer: torch.optim.Optimizer, step: int, run_info: dict[str, Any],
-                    data_position: int) -> Path:
+                    data_position: int, base: dict[str, str] | None = None) -> Path:
     """Write a complete checkpoint of a run at optimizer step ``step`` and swap it in
     atomically (see the module docstring). Returns the checkpoint directory.
 
     ``model`` may be wrapped (DistributedDataParallel): its ``.module`` is saved.
     ``run_info`` is the JSON training configuration; ``data_position`` the number of
     training examples consumed so far (documentation: batches are a function of the step).
+    ``base``: for a run that trains an adapter, base.json's ``{"path", "sha256"}``; then only
+    the active adapter is saved (``qkv.peft.save_adapter``), never the base weights.
     """
     run_dir = Path(run_dir)
     model = getattr(model, "module", model)
@@ -104,7 +109,13 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model: nn.Module, tokenizer: 
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
+    if base is None:
+        model.save_pretrained(tmp)
+    else:
+        from ..peft import save_adapter
+
+        save_adapter(model, tmp)
+        _write_json(tmp / "base.json", base)
     tokenizer.save(tmp / "tokenizer.json")
     _write_json(tmp / "run.json", run_info)
     tensors, opt_json = _optimizer_tensors(optimizer)
@@ -131,12 +142,15 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model: nn.Module, tokenizer: 
 
 
 def find_checkpoint(path: str | os.PathLike) -> Path:
-    """The checkpoint directory of ``path``: ``path`` itself when it holds config.json,
-    else ``path/checkpoint``, else ``path/checkpoint.old`` (a save interrupted between its two
-    renames). Raises ``CheckpointError`` when there is none."""
+    """The checkpoint directory of ``path``: ``path`` itself when it holds config.json (or
+    adapter_config.json: an adapter run's checkpoint), else ``path/checkpoint``, else
+    ``path/checkpoint.old`` (a save interrupted between its two renames). Raises
+    ``CheckpointError`` when there is none."""
     path = Path(path)
     for candidate in (path, path / CHECKPOINT_DIR, path / _OLD):
-        if (candidate / "config.json").is_file():
+        if (candidate / "config.json").is_file() or (
+                (candidate / "adapter_config.json").is_file()
+                and (candidate / "base.json").is_file()):
             return candidate
     if not path.exists():
         raise CheckpointError(f"{path}: no such run directory")
@@ -149,14 +163,20 @@ def load_run(path: str | os.PathLike) -> tuple[nn.Module, Any]:
 
     Returns:
         ``(model, tokenizer)``: the model (``Transformer``, ``GPT`` or ``BERT``, chosen by
-        config.json's ``model_type``) in eval mode, and the ``qkv.data`` tokenizer.
+        config.json's ``model_type``) in eval mode, and the ``qkv.data`` tokenizer. For a
+        run that trained an adapter (``TrainConfig.peft``): its base (base.json) with the
+        adapter attached and active (``qkv.peft``; ``disable_adapters`` gives the base).
 
     Raises:
-        CheckpointError: no checkpoint, an unknown model type, or missing/mismatched files.
+        CheckpointError: no checkpoint, an unknown model type, or missing/mismatched files;
+        for an adapter run, a base that is missing or changed (naming its path).
     """
     from ..data import read_tokenizer
+    from .finetune import is_adapter_checkpoint, load_adapter_run
 
     ckpt = find_checkpoint(path)
+    if is_adapter_checkpoint(ckpt):
+        return load_adapter_run(ckpt)
     model_type = read_json(ckpt / "config.json").get("model_type")
     if model_type not in MODEL_CLASSES:
         raise CheckpointError(f"{ckpt}: model_type {model_type!r} is not a qkv model "

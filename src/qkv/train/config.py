@@ -89,6 +89,18 @@ class TrainConfig:
         data_fingerprint: ``{"size": bytes, "sha256": hex}`` of ``data``, recorded by the
             ``Trainer`` when the run starts so that a resume notices a changed file (None for
             tasks, and in run.json files written before qkv recorded it).
+        init_from: start from a trained base instead of a new model: a qkv run or checkpoint
+            directory, or a HuggingFace GPT-2 / BERT directory ``qkv.models.from_hf`` loads
+            (with a tokenizer.json qkv reads). The base fixes the architecture, tokenizer
+            and max_len: ``preset`` and ``overrides`` are refused with it, ``tokenizer`` /
+            ``bpe_vocab_size`` are not used, ``max_len`` may only narrow the base's;
+            ``model`` must be the base's kind. Stored as an absolute path. See
+            ``qkv.train.finetune``.
+        peft: train only an adapter added to the base: ``{"kind": "lora", **LoraConfig
+            fields}``, ``{"kind": "adapters", **AdapterConfig fields}`` or ``{"kind":
+            "prefix", **PrefixConfig fields}`` (``qkv.peft``); stored with every field
+            spelled out. Needs ``init_from`` (a frozen random model has nothing to adapt).
+            None with ``init_from``: full fine-tuning.
 
     Every number is checked when the config is made (finite, in range, the right type);
     ``ConfigError`` (a ``ValueError``) names the field and its value.
@@ -117,6 +129,8 @@ class TrainConfig:
     max_len: int | None = None
     seed: int = 0
     data_fingerprint: dict[str, Any] | None = None
+    init_from: str | None = None
+    peft: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, what: str) -> ConfigError:
@@ -163,6 +177,30 @@ class TrainConfig:
                 isinstance(fp, dict) and set(fp) == {"size", "sha256"} and _is_int(fp["size"])
                 and isinstance(fp["sha256"], str) and len(fp["sha256"]) == 64):
             raise bad("data_fingerprint", 'None or {"size": bytes, "sha256": 64 hex digits}')
+        self._check_finetune()
+
+    def _check_finetune(self) -> None:
+        if self.init_from is not None and (not isinstance(self.init_from, str)
+                                           or not self.init_from):
+            raise ConfigError("init_from", f"init_from must be a directory path (a str) or "
+                                           f"None, got {self.init_from!r}")
+        if self.init_from is not None:
+            given = [n for n in ("preset", "overrides") if getattr(self, n)]
+            if given:
+                raise ConfigError(given[0], f"{given[0]} {getattr(self, given[0])!r} cannot be "
+                                            f"combined with init_from: the base "
+                                            f"{self.init_from} fixes the architecture")
+        if self.peft is None:
+            return
+        if self.init_from is None:
+            raise ConfigError("peft", "peft needs init_from (a trained base): an adapter on a "
+                                      "randomly initialised, frozen model has nothing to adapt")
+        from .finetune import normalise_peft
+
+        try:
+            object.__setattr__(self, "peft", normalise_peft(self.peft))
+        except ValueError as exc:
+            raise ConfigError("peft", str(exc)) from None
 
     @property
     def model_preset(self) -> str:

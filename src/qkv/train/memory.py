@@ -4,8 +4,9 @@
 used) and one optimizer step of ``batch_size`` sequences of ``seq_len`` tokens, in fp32
 (4 bytes a number):
 
-- parameters P: ``4 P`` bytes each for the weights, their gradients and AdamW's two moments
-  (16 P bytes), plus the model's buffers;
+- parameters P: ``4 P`` bytes each for the weights, and for the trainable ones (all, unless
+  an adapter froze the base) their gradients and AdamW's two moments (16 P bytes in all for
+  a model that trains whole), plus the model's buffers;
 - position tables built lazily at the first forward (``Sinusoidal(max_len=...)``): about
   24 bytes per ``max_len x C`` entry while the table is computed (fp64 angles, sin, cos, the
   fp32 result);
@@ -87,13 +88,14 @@ def estimate_training_bytes(model: nn.Module, *, batch_size: int, seq_len: int,
     from ..modules.positions import Sinusoidal
 
     params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     tables = sum(24 * m.max_len * m.dim for m in model.modules()
                  if isinstance(m, Sinusoidal) and m.max_len is not None)
     dim, ffn, heads, layers, vocab = _widths(model.config)
     b, n = int(batch_size), int(seq_len)
     return MemoryEstimate(
-        parameters=4 * FP32 * params + buffers,
+        parameters=FP32 * params + 3 * FP32 * trainable + buffers,
         tables=tables,
         activations=FP32 * layers * b * n * (10 * dim + 2 * ffn),
         scores=FP32 * b * heads * n * n,

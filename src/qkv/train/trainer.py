@@ -46,6 +46,7 @@ from .distributed import (
     teardown_world,
 )
 from .evaluate import evaluate
+from .finetune import BASE_JSON, attach_peft, check_base, load_base, prepare_base_data
 from .loss import token_loss
 from .memory import check_training_fits
 from .rundir import RunDirBusyError, RunDirLock, file_fingerprint, lock_holder
@@ -232,6 +233,7 @@ class Trainer:
             raise ValueError(f"batch_size {config.batch_size} is not divisible by the "
                              f"{self.world.size} processes")
         self.step = 0
+        self.base: dict[str, str] | None = None  # base.json of a run that trains an adapter
         self.last_saved: int | None = None
         self._written: list[str] = []
         if _resume:
@@ -239,7 +241,8 @@ class Trainer:
             ckpt = self._find_resume_checkpoint(config)
             _check_checkpoint_agrees(self.out, ckpt, config)
             config = self.config = self._check_data(config, accept_changed_data)
-            self.model, self.tokenizer = load_run(ckpt)
+            self.model, self.tokenizer = load_run(ckpt)  # an adapter run: its base checked
+            self.base = check_base(ckpt) if (ckpt / BASE_JSON).is_file() else None
             self.max_len = int(self.model.config.max_len)
             self.data = load_data(config, self.tokenizer, self.max_len)
         else:
@@ -251,17 +254,10 @@ class Trainer:
                     **config.to_dict(), "data": str(data),
                     "data_fingerprint": _fingerprint(data)})
             torch.manual_seed(config.seed)
-            self.data, self.tokenizer, self.max_len, seq_len = prepare_data(config)
-            with torch.random.fork_rng(devices=[]), torch.device("meta"):
-                shape_only = build_model(config, self.tokenizer.vocab_size, self.max_len,
-                                         self.tokenizer.pad_id)
-            check_model_fits_data(shape_only.config, self.tokenizer, self.max_len)
-            check_training_fits(shape_only, batch_size=config.batch_size // self.world.size,
-                                seq_len=seq_len, eval_examples=config.eval_examples,
-                                device=self.device, what=f"training {config.model} "
-                                f"(max_len={self.max_len})")
-            self.model = build_model(config, self.tokenizer.vocab_size, self.max_len,
-                                     self.tokenizer.pad_id)
+            if config.init_from is not None:
+                config = self._start_from_base(config)
+            else:
+                self._new_model(config)
         self.model.to(self.device).train()
         self.objective: nn.Module = _Objective(config.model, self.model, config.label_smoothing)
         if self.world.size > 1:
@@ -289,6 +285,40 @@ class Trainer:
                 self._undo_new_dir()
                 raise
         barrier(self.world)
+
+    def _new_model(self, config: TrainConfig) -> None:
+        """A new model on new data: tokenizer fitted to it, sizes checked first."""
+        self.data, self.tokenizer, self.max_len, seq_len = prepare_data(config)
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            shape_only = build_model(config, self.tokenizer.vocab_size, self.max_len,
+                                     self.tokenizer.pad_id)
+        check_model_fits_data(shape_only.config, self.tokenizer, self.max_len)
+        check_training_fits(shape_only, batch_size=config.batch_size // self.world.size,
+                            seq_len=seq_len, eval_examples=config.eval_examples,
+                            device=self.device, what=f"training {config.model} "
+                            f"(max_len={self.max_len})")
+        self.model = build_model(config, self.tokenizer.vocab_size, self.max_len,
+                                 self.tokenizer.pad_id)
+        self.base = None
+
+    def _start_from_base(self, config: TrainConfig) -> TrainConfig:
+        """The base of ``init_from`` (its tokenizer and max_len), the adapter of ``peft``
+        attached; data and memory checked. Returns the config with the base's absolute path."""
+        base = load_base(config.init_from, config.model)
+        config = self.config = TrainConfig.from_dict({**config.to_dict(),
+                                                      "init_from": str(base.path)})
+        self.data, self.max_len, seq_len = prepare_base_data(config, base.tokenizer,
+                                                             base.max_len)
+        self.model, self.tokenizer = base.model, base.tokenizer
+        if config.peft is not None:
+            self.base = base.info()
+        if config.peft is not None:
+            attach_peft(self.model, config.peft)
+        check_training_fits(self.model, batch_size=config.batch_size // self.world.size,
+                            seq_len=seq_len, eval_examples=config.eval_examples,
+                            device=self.device, what=f"fine-tuning {config.model} "
+                            f"(max_len={self.max_len})")
+        return config
 
     def _write_run_json(self, config: TrainConfig) -> None:
         """run.json: the settings --resume continues (with the new total steps)."""
@@ -466,7 +496,7 @@ class Trainer:
             save_checkpoint(self.out, model=self.model, tokenizer=self.tokenizer,
                             optimizer=self.optimizer, step=self.step,
                             run_info=self.config.to_dict(),
-                            data_position=self.step * self.config.batch_size)
+                            data_position=self.step * self.config.batch_size, base=self.base)
             # logged after the save: an evaluation row in metrics.jsonl means a checkpoint of
             # that step was complete (what resume's messages rely on)
             metrics.write(json.dumps(result) + "\n")

@@ -1,0 +1,331 @@
+"""Fine-tuning from a trained base: ``TrainConfig(init_from=BASE, peft={...})``.
+
+``init_from`` is a qkv run or checkpoint directory, or a HuggingFace GPT-2 / BERT directory
+that ``qkv.models.from_hf`` loads. The base fixes the architecture, the tokenizer and the
+context length (``max_len``); the run's data must be encodable by the base's tokenizer and
+fit that length — both checked before anything is written.
+
+``peft`` is one of ``{"kind": "lora", **LoraConfig fields}``, ``{"kind": "adapters",
+**AdapterConfig fields}`` or ``{"kind": "prefix", **PrefixConfig fields}`` (``qkv.peft``):
+only the new parameters train, and the run's checkpoints hold only them
+(``adapter_config.json`` + ``adapter_model.safetensors``) with ``base.json``, which names the
+base: ``{"path": its checkpoint directory (absolute), "sha256": of its model.safetensors}``.
+Loading such a run (``load_run``, resume, ``qkv translate|generate|attention``) refuses a
+base that is missing or whose weights changed since, naming the base's path.
+``init_from`` without ``peft`` is full fine-tuning: the checkpoints are whole models.
+``peft`` without ``init_from`` is refused: adapters on a randomly initialised, frozen model
+have nothing to adapt, and the run could not name a base to reload.
+
+An HF directory needs a qkv tokenizer: its ``tokenizer.json`` must be one that
+``qkv.data.read_tokenizer`` reads, or a HF ``tokenizers`` file whose ids 0..3 are qkv's
+``<pad> <bos> <eos> <unk>`` (GPT-2's own tokenizer has none of them and is refused, saying
+so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..models import BERT, GPT, CheckpointError, Transformer
+from ..models.hub import read_json
+from .checkpoint import MODEL_CLASSES, find_checkpoint
+from .rundir import file_fingerprint
+from .setup import DEFAULT_TEXT_WINDOW, _data, _max_len, _read
+
+__all__ = ["BASE_JSON", "PEFT_KINDS", "BaseModel", "attach_peft", "base_model_kind",
+           "check_base", "is_adapter_checkpoint", "load_adapter_run", "load_base",
+           "peft_config", "prepare_base_data"]
+
+BASE_JSON = "base.json"
+ADAPTER_CONFIG = "adapter_config.json"
+#: ``peft["kind"]`` -> the ``qkv.peft`` config class name
+PEFT_KINDS = ("lora", "adapters", "prefix")
+#: qkv model class -> the ``TrainConfig.model`` kind that trains it
+_KIND_OF = ((Transformer, "transformer"), (GPT, "gpt"), (BERT, "bert-mlm"))
+
+
+def peft_config(spec: Any) -> tuple[str, Any]:
+    """``(kind, config)`` of a ``TrainConfig.peft`` dict: a ``qkv.peft.LoraConfig``,
+    ``AdapterConfig`` or ``PrefixConfig``.
+
+    Raises:
+        ValueError: not a dict, an unknown kind, unknown fields or bad values (one message
+            naming them).
+    """
+    from ..peft import AdapterConfig, LoraConfig, PrefixConfig
+
+    classes = {"lora": LoraConfig, "adapters": AdapterConfig, "prefix": PrefixConfig}
+    if not isinstance(spec, dict) or spec.get("kind") not in classes:
+        got = spec.get("kind") if isinstance(spec, dict) else spec
+        raise ValueError(f'peft must be a dict with "kind" one of {PEFT_KINDS} and that '
+                         f"kind's fields, got kind {got!r}")
+    kind = spec["kind"]
+    cls = classes[kind]
+    fields = {k: v for k, v in spec.items() if k != "kind"}
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise ValueError(f"peft kind {kind!r}: unknown fields {unknown}; known: {known}")
+    if kind == "lora" and isinstance(fields.get("targets"), list):
+        fields["targets"] = tuple(fields["targets"])
+    try:
+        return kind, cls(**fields)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"peft kind {kind!r}: {exc}") from None
+
+
+def normalise_peft(spec: dict[str, Any]) -> dict[str, Any]:
+    """The peft dict with every field of its config spelled out (JSON-ready)."""
+    kind, config = peft_config(spec)
+    return {"kind": kind, **config.to_dict()}
+
+
+def attach_peft(model: nn.Module, spec: dict[str, Any]) -> nn.Module:
+    """Add the adapter ``spec`` describes to ``model`` (named "default"); everything else
+    is frozen. Returns ``model``."""
+    from ..peft import add_adapters, add_lora, add_prefix
+
+    kind, config = peft_config(spec)
+    add = {"lora": add_lora, "adapters": add_adapters, "prefix": add_prefix}[kind]
+    return add(model, config)
+
+
+def model_kind(model: nn.Module) -> str:
+    """The ``TrainConfig.model`` kind of a qkv model."""
+    for cls, kind in _KIND_OF:
+        if isinstance(model, cls):
+            return kind
+    raise ValueError(f"not a qkv Transformer, GPT or BERT: {type(model).__name__}")
+
+
+def is_adapter_checkpoint(ckpt: str | os.PathLike) -> bool:
+    """Whether a checkpoint directory holds an adapter (and base.json), not a whole model."""
+    ckpt = Path(ckpt)
+    return (ckpt / ADAPTER_CONFIG).is_file() and not (ckpt / "config.json").is_file()
+
+
+def _base_dir(init_from: str | os.PathLike) -> Path:
+    """The directory holding the base's config.json + model.safetensors (absolute)."""
+    path = Path(init_from)
+    if not path.exists():
+        raise CheckpointError(f"--init-from {path}: no such directory")
+    if (path / "config.json").is_file():
+        ckpt = path
+    else:
+        try:
+            ckpt = find_checkpoint(path)
+        except CheckpointError as exc:
+            raise CheckpointError(f"--init-from {path}: not a qkv run or checkpoint, nor a "
+                                  f"HuggingFace directory ({exc})") from None
+    if is_adapter_checkpoint(ckpt):
+        raise CheckpointError(f"--init-from {path} is itself an adapter run (its checkpoint "
+                              f"holds only an adapter); merge it first with `qkv peft merge "
+                              f"{path} --out DIR` and start from DIR")
+    if not (ckpt / "model.safetensors").is_file():
+        raise CheckpointError(f"--init-from {path}: {ckpt} has no model.safetensors (a "
+                              f"pytorch_model.bin alone is refused: convert it to "
+                              f"safetensors)")
+    return ckpt.resolve()
+
+
+def _load_model(ckpt: Path) -> nn.Module:
+    """A qkv checkpoint (config.json with qkv_version) or a HF GPT-2 / BERT directory."""
+    from ..models import from_hf
+
+    data = read_json(ckpt / "config.json")
+    if "qkv_version" not in data:
+        return from_hf(ckpt)
+    model_type = data.get("model_type")
+    if model_type not in MODEL_CLASSES:
+        raise CheckpointError(f"{ckpt}: model_type {model_type!r} is not a qkv model "
+                              f"({sorted(MODEL_CLASSES)})")
+    return MODEL_CLASSES[model_type].from_pretrained(ckpt)
+
+
+def _load_tokenizer(ckpt: Path) -> Any:
+    from ..data import BPETokenizer, read_tokenizer
+
+    path = ckpt / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(f"--init-from {ckpt}: tokenizer.json is missing; fine-tuning "
+                              f"needs the base's tokenizer (qkv.data's, saved as "
+                              f"tokenizer.json beside config.json)")
+    try:
+        return read_tokenizer(path)
+    except ValueError as qkv_error:
+        try:
+            from tokenizers import Tokenizer
+
+            return BPETokenizer(Tokenizer.from_file(str(path)))
+        except Exception as exc:  # tokenizers raises bare Exceptions
+            raise CheckpointError(
+                f"--init-from {ckpt}: {path} is not a tokenizer qkv can train with "
+                f"({qkv_error}; as a HuggingFace tokenizer: {exc}); qkv needs <pad> <bos> "
+                f"<eos> <unk> at ids 0..3 (GPT-2's tokenizer has none of them)") from None
+
+
+@dataclasses.dataclass
+class BaseModel:
+    """A loaded base: ``model`` (train mode off), ``tokenizer``, ``path`` (the absolute
+    checkpoint directory) and ``sha256`` of its model.safetensors."""
+
+    model: nn.Module
+    tokenizer: Any
+    path: Path
+    sha256: str
+
+    @property
+    def max_len(self) -> int | None:
+        """The model's context length (None when its config has none)."""
+        value = getattr(self.model.config, "max_len", None)
+        return None if value is None else int(value)
+
+    def info(self) -> dict[str, str]:
+        """base.json's content."""
+        return {"path": str(self.path), "sha256": self.sha256}
+
+
+def base_model_kind(init_from: str | os.PathLike) -> str:
+    """The ``TrainConfig.model`` kind of a base directory, read from its config.json
+    (``CheckpointError`` when it is not a base ``load_base`` takes)."""
+    data = read_json(_base_dir(init_from) / "config.json")
+    kinds = {"qkv-transformer": "transformer", "qkv-gpt": "gpt", "qkv-bert": "bert-mlm",
+             "gpt2": "gpt", "bert": "bert-mlm"}
+    kind = kinds.get(data.get("model_type"))
+    if kind is None:
+        raise CheckpointError(f"--init-from {init_from}: model_type {data.get('model_type')!r} "
+                              f"is neither a qkv model nor HF gpt2 / bert")
+    return kind
+
+
+def load_base(init_from: str | os.PathLike, want: str) -> BaseModel:
+    """Load the base of a fine-tuning run and check that it is a ``want`` model
+    ("transformer", "gpt", "bert-mlm").
+
+    Raises:
+        CheckpointError / ValueError: no base there, an adapter run, no model.safetensors or
+            tokenizer, another model kind (naming ``--model`` and the base's kind), a BERT
+            without its masked-LM head.
+    """
+    ckpt = _base_dir(init_from)
+    sha = file_fingerprint(ckpt / "model.safetensors")["sha256"]
+    model = _load_model(ckpt)
+    kind = model_kind(model)
+    if kind != want:
+        raise ValueError(f"--model {want} does not match the base {init_from}, a "
+                         f"{type(model).__name__} (--model {kind})")
+    if kind == "bert-mlm" and not getattr(model.config, "with_mlm_head", True):
+        raise ValueError(f"--init-from {init_from}: this BERT has no masked-LM head "
+                         f"(with_mlm_head false), which bert-mlm training needs")
+    return BaseModel(model, _load_tokenizer(ckpt), ckpt, sha)
+
+
+def _texts(config: Any, raw: Any) -> list[str]:
+    if config.task is not None:
+        from .data import PairData
+
+        return PairData(task=raw).texts(limit=2000)
+    if isinstance(raw, str):
+        return [raw]
+    return [t for pair in raw for t in pair]
+
+
+def _check_encodable(config: Any, raw: Any, tokenizer: Any, base: str) -> None:
+    """Refuse data holding text the base's tokenizer reads as <unk>."""
+    from ..data import CharTokenizer
+
+    what = f"--task {config.task}" if config.task is not None else f"--data {config.data}"
+    if isinstance(tokenizer, CharTokenizer):
+        chars = set(raw.alphabet()) if config.task is not None else {
+            c for t in _texts(config, raw) for c in t}
+        unknown = sorted(c for c in chars if tokenizer.encode(c) == [tokenizer.unk_id])
+        if unknown:
+            shown = "".join(unknown[:20]) + ("..." if len(unknown) > 20 else "")
+            raise ValueError(f"{what} holds {len(unknown)} character(s) the base's tokenizer "
+                             f"({base}) does not know: {shown!r}; fine-tuning keeps the base's "
+                             f"vocabulary, so its data must use only the base's characters")
+        return
+    for text in _texts(config, raw):
+        if tokenizer.unk_id in tokenizer.encode(text):
+            raise ValueError(f"{what}: the base's tokenizer ({base}) reads part of {text[:40]!r}"
+                             f" as <unk>; fine-tuning keeps the base's vocabulary")
+
+
+def prepare_base_data(config: Any, tokenizer: Any, base_max_len: int | None
+                      ) -> tuple[Any, int, int]:
+    """(data, the model's context length, the longest sequence of a step) of a run that
+    starts from a base with ``tokenizer`` and context length ``base_max_len``.
+
+    ``config.max_len``, when given, must be at most the base's: for plain text it is the
+    window (default: the base's max_len, at most ``DEFAULT_TEXT_WINDOW``), for pairs a bound
+    the data must fit.
+
+    Raises:
+        ValueError: a character/token the tokenizer does not know, an example longer than
+            the base's max_len, ``max_len`` beyond the base's.
+    """
+    base = config.init_from
+    limit = base_max_len if base_max_len is not None else 10**9
+    if config.max_len is not None and config.max_len > limit:
+        raise ValueError(f"max_len={config.max_len} is beyond the base's max_len={limit} "
+                         f"({base}); the base fixes the context length")
+    raw, _ = _read(config)
+    _check_encodable(config, raw, tokenizer, base)
+    pairs = config.task is not None or config.model == "transformer"
+    if pairs:
+        need, _ = _max_len(dataclasses.replace(config, max_len=None), raw, tokenizer)
+        if need > limit:
+            what = f"--task {config.task}" if config.task else f"--data {config.data}"
+            raise ValueError(f"{what}: the longest example needs {need} tokens with its "
+                             f"special tokens, beyond the base's max_len={limit} ({base})")
+        _max_len(config, raw, tokenizer)  # a given max_len must hold the data too
+        return _data(config, raw, tokenizer, None), limit, need
+    window = config.max_len or min(DEFAULT_TEXT_WINDOW, limit)
+    return _data(config, raw, tokenizer, window), limit, window
+
+
+def check_base(ckpt: str | os.PathLike) -> dict[str, str]:
+    """base.json of an adapter checkpoint, after checking that the base is still there and
+    unchanged (sha256 of its model.safetensors). Returns base.json's content.
+
+    Raises:
+        CheckpointError: naming the base's path — base.json unreadable, the base missing,
+            or its weights changed since the run began.
+    """
+    ckpt = Path(ckpt)
+    info = read_json(ckpt / BASE_JSON)
+    path, sha = info.get("path"), info.get("sha256")
+    if not isinstance(path, str) or not isinstance(sha, str):
+        raise CheckpointError(f"{ckpt / BASE_JSON}: expected {{\"path\", \"sha256\"}}, got "
+                              f"{info}")
+    weights = Path(path) / "model.safetensors"
+    if not weights.is_file():
+        raise CheckpointError(f"{ckpt}: the adapter's base {path} is missing (no "
+                              f"model.safetensors there); put the base back at that path")
+    now = file_fingerprint(weights)["sha256"]
+    if now != sha:
+        raise CheckpointError(f"{ckpt}: the adapter's base {path} changed since the run began "
+                              f"(sha256 {sha[:12]}... -> {now[:12]}...): the adapter was "
+                              f"trained on other weights; restore the base or start a new run")
+    return info
+
+
+def load_adapter_run(ckpt: str | os.PathLike) -> tuple[nn.Module, Any]:
+    """(model, tokenizer) of an adapter checkpoint: the base (checked by ``check_base``) with
+    the adapter attached and active, in eval mode (the adapter's parameters keep
+    requires_grad, the base's are frozen)."""
+    from ..data import read_tokenizer
+    from ..peft import load_adapter
+
+    ckpt = Path(ckpt)
+    info = check_base(ckpt)
+    model = _load_model(Path(info["path"]))
+    load_adapter(model, ckpt)
+    if not (ckpt / "tokenizer.json").is_file():
+        raise CheckpointError(f"{ckpt}: tokenizer.json is missing")
+    return model.eval(), read_tokenizer(ckpt / "tokenizer.json")
