@@ -11,11 +11,12 @@ SPLITS = ("train", "valid", "test")
 
 
 def test_registry_names_and_errors() -> None:
-    assert TASKS == ("dates", "copy", "reverse", "sort", "addition")
+    assert TASKS == ("dates", "copy", "reverse", "sort", "addition", "dates-long")
     for name in TASKS:
         task = get_task(name, seed=2)
         assert task.name == name and task.seed == 2
-    with pytest.raises(ValueError, match="dates, copy, reverse, sort, addition; got 'nope'"):
+    with pytest.raises(ValueError,
+                       match="dates, copy, reverse, sort, addition, dates-long; got 'nope'"):
         get_task("nope")
     with pytest.raises(TypeError, match="seed must be an int"):
         get_task("copy", seed=1.5)

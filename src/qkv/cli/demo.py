@@ -1,5 +1,6 @@
 """``qkv demo``: the default demo trains the seeds' encoder-decoder Transformer on the
-embedded date-normalisation task; ``qkv demo coref`` shows self-attention resolving pronouns;
+embedded date-normalisation task; ``qkv demo lora`` adapts that model with LoRA to an output
+format it never produced; ``qkv demo coref`` shows self-attention resolving pronouns;
 ``qkv demo tour`` is a quick tour of the attention core."""
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ EXAMPLES = """examples:
   qkv demo                       train on dates (~1.5 min on 2 CPU cores), print exact match
   qkv demo --quick               a few-second run (smoke test; low accuracy)
   qkv demo --out runs/my-demo    choose the run directory
+  qkv demo lora                  train the dates model, then adapt it with LoRA to
+                                 "3 March 2021" outputs (<= 4 min on 2 CPU cores)
+  qkv demo lora --base runs/my-demo   adapt a finished `qkv demo` run instead
   qkv demo coref                 attention links pronouns to their nouns
   qkv demo tour --length 4096    masks, backends, relative positions at long length
 """
@@ -27,13 +31,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="train the seeds' Transformer on dates and show it works",
                        description=__doc__, epilog=EXAMPLES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("which", nargs="?", default="dates", choices=("dates", "coref", "tour"),
+    p.add_argument("which", nargs="?", default="dates", choices=("dates", "lora", "coref", "tour"),
                    help="which demo (default: dates)")
     p.add_argument("--quick", action="store_true",
                    help="a short run for smoke tests (accuracy will be low)")
     p.add_argument("--out", default=None,
                    help="run directory, new or empty (default: runs/demo-<which>-<timestamp>)")
     p.add_argument("--seed", type=seed, default=0, help="random seed (default 0)")
+    p.add_argument("--base", default=None, metavar="RUN",
+                   help="lora only: a finished `qkv demo` / `qkv train --task dates` run to "
+                        "adapt (default: train one first, into OUT/base)")
     p.add_argument("--length", type=int_in(1), default=None,
                    help=f"tour only: sequence length of the relative-position part (default "
                         f"{TOUR_LENGTH}, {TOUR_QUICK_LENGTH} with --quick; the time grows as N², "
@@ -46,6 +53,12 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.which != "tour" and args.length is not None:
         raise UserError(f"--length {args.length}: only `qkv demo tour` takes --length")
+    if args.which != "lora" and args.base is not None:
+        raise UserError(f"--base {args.base}: only `qkv demo lora` takes --base")
+    if args.which == "lora":
+        from ..demos.lora import run_lora_demo
+
+        return run_lora_demo(out=args.out, base=args.base, quick=args.quick, seed=args.seed)
     if args.which == "tour":
         from .tour import run_tour
 

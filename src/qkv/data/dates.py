@@ -21,6 +21,11 @@ every machine and Python version.
 Held-out splits are disjoint from training by calendar date: a BLAKE2 hash of the ISO date
 (independent of ``seed``) puts ~2.5% of all dates in "valid" and ~2.5% in "test"; "train"
 never produces those dates, whatever the format.
+
+A second target format, for adapting a trained date model to an output it never produced
+(``qkv demo lora``): ``long_date`` writes "3 March 2021" (day without a leading zero, English
+month name, four-digit year); ``date_long_examples`` gives the very same sources as
+``date_examples`` (same seed, split and index: same date, format and case) with that target.
 """
 
 from __future__ import annotations
@@ -32,9 +37,9 @@ import random
 from collections.abc import Callable
 from typing import NamedTuple
 
-__all__ = ["DATE_FORMATS", "DATE_MAX", "DATE_MIN", "SPLITS", "DateSample", "chinese_number",
-           "date_alphabet", "date_examples", "date_max_source_len", "date_sample", "date_split",
-           "render_date"]
+__all__ = ["DATE_FORMATS", "DATE_MAX", "DATE_MIN", "LONG_DATE_MAX_LEN", "SPLITS", "DateSample",
+           "chinese_number", "date_alphabet", "date_examples", "date_long_examples",
+           "date_max_source_len", "date_sample", "date_split", "long_date", "render_date"]
 
 DATE_MIN = _dt.date(1950, 1, 1)
 DATE_MAX = _dt.date(2049, 12, 31)
@@ -222,6 +227,34 @@ def date_examples(split: str, start: int, count: int, *, seed: int = 0) -> list[
     for i in range(start, start + count):
         s = date_sample(seed=seed, split=split, index=i)
         out.append((s.source, s.target))
+    return out
+
+
+def long_date(date: _dt.date) -> str:
+    """The long English form of ``date``: 2021-03-03 -> "3 March 2021" (day without a leading
+    zero, the month's English name, the four-digit year). Its characters all lie in
+    ``date_alphabet()`` (it is the natural case of the "D Month YYYY" source format)."""
+    return f"{date.day} {_mon(date.month)} {date.year}"
+
+
+#: the longest ``long_date``: "30 September 2021" (every year has 4 digits)
+LONG_DATE_MAX_LEN = len("30 September 2000")
+
+
+def date_long_examples(split: str, start: int, count: int, *, seed: int = 0
+                       ) -> list[tuple[str, str]]:
+    """Examples ``start .. start+count-1`` of ``split`` as ``(source, long_date(date))``:
+    the sources (and dates, held out by calendar date) of ``date_examples`` with the same
+    arguments, the target written "3 March 2021" instead of ISO."""
+    if not isinstance(start, int) or start < 0:
+        raise ValueError(f"start must be a non-negative int, got {start!r}")
+    if not isinstance(count, int) or count < 0:
+        raise ValueError(f"count must be a non-negative int, got {count!r}")
+    _check_split(split)
+    out = []
+    for i in range(start, start + count):
+        s = date_sample(seed=seed, split=split, index=i)
+        out.append((s.source, long_date(s.date)))
     return out
 
 

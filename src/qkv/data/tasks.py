@@ -1,22 +1,24 @@
 """Embedded sequence-to-sequence tasks, generated on the fly (no files, no downloads).
 
-=========  ==========================================  ==========================
-task       source                                      target
-=========  ==========================================  ==========================
-dates      "Sat, 6 March 2021", "二〇二一年三月六日", ...     "2021-03-06"
-copy       "k3x9a"                                     "k3x9a"
-reverse    "k3x9a"                                     "a9x3k"
-sort       "k3x9a"                                     "39akx" (code-point order)
-addition   "123+4567"                                  "4690"
-=========  ==========================================  ==========================
+==========  ==========================================  ==========================
+task        source                                      target
+==========  ==========================================  ==========================
+dates       "Sat, 6 March 2021", "二〇二一年三月六日", ...     "2021-03-06"
+dates-long  the same sources as dates                   "6 March 2021"
+copy        "k3x9a"                                     "k3x9a"
+reverse     "k3x9a"                                     "a9x3k"
+sort        "k3x9a"                                     "39akx" (code-point order)
+addition    "123+4567"                                  "4690"
+==========  ==========================================  ==========================
 
 Every task is counter-based: example ``i`` of ``(seed, split)`` is drawn from its own
 ``random.Random`` seeded with a BLAKE2 hash of ``(task, seed, split, i)``, so
 ``task.examples(split, start, count)`` never generates the examples before ``start`` and gives
 the same strings on every machine. Held-out splits ("valid", "test") are disjoint from
-"train": for ``dates`` by calendar date (see ``qkv.data.dates``), for the others by a BLAKE2
-hash of the source string (~2.5% of sources are "valid", ~2.5% "test"; each split rejects and
-redraws sources that belong to another split). The held-out sets do not depend on ``seed``.
+"train": for ``dates`` and ``dates-long`` by calendar date (see ``qkv.data.dates``), for the
+others by a BLAKE2 hash of the source string (~2.5% of sources are "valid", ~2.5% "test";
+each split rejects and redraws sources that belong to another split). The held-out sets do
+not depend on ``seed``.
 """
 
 from __future__ import annotations
@@ -25,12 +27,20 @@ import hashlib
 import random
 import string
 
-from .dates import SPLITS, date_alphabet, date_examples, date_max_source_len
+from .dates import (
+    LONG_DATE_MAX_LEN,
+    SPLITS,
+    date_alphabet,
+    date_examples,
+    date_long_examples,
+    date_max_source_len,
+)
 
-__all__ = ["TASKS", "AdditionTask", "DatesTask", "StringTask", "Task", "get_task"]
+__all__ = ["TASKS", "AdditionTask", "DatesLongTask", "DatesTask", "StringTask", "Task",
+           "get_task"]
 
 #: Names accepted by ``get_task``.
-TASKS = ("dates", "copy", "reverse", "sort", "addition")
+TASKS = ("dates", "copy", "reverse", "sort", "addition", "dates-long")
 #: Draws before giving up on a split that holds (almost) no sources of a tiny task.
 _MAX_DRAWS = 10_000
 
@@ -111,6 +121,23 @@ class DatesTask(Task):
         return date_examples(split, start, count, seed=self.seed)
 
 
+class DatesLongTask(DatesTask):
+    """The sources of ``dates`` (example i of a seed and split is the same string) -> the
+    long English date "3 March 2021" (day without a leading zero, month name, year); see
+    ``qkv.data.dates.long_date``. Held out by calendar date, as ``dates``.
+
+    ``alphabet()`` is the dates alphabet (the targets use none beyond it), so a character
+    tokenizer of a model trained on ``dates`` encodes this task with the same ids: the task
+    a dates model is adapted to (``qkv demo lora``)."""
+
+    name = "dates-long"
+    max_target_len = LONG_DATE_MAX_LEN
+
+    def examples(self, split: str, start: int, count: int) -> list[tuple[str, str]]:
+        _check_range(split, start, count)
+        return date_long_examples(split, start, count, seed=self.seed)
+
+
 class StringTask(Task):
     """Random strings of ``chars`` with a length uniform in 1..``max_len``, mapped by
     ``kind``: "copy" (unchanged), "reverse", or "sort" (characters in code-point order)."""
@@ -173,6 +200,8 @@ def get_task(name: str, *, seed: int = 0) -> Task:
     """The task called ``name`` (one of ``TASKS``) with default settings and ``seed``."""
     if name == "dates":
         return DatesTask(seed=seed)
+    if name == "dates-long":
+        return DatesLongTask(seed=seed)
     if name in StringTask.KINDS:
         return StringTask(name, seed=seed)
     if name == "addition":
