@@ -35,6 +35,8 @@ def act_oracle(name: str, x: Tensor) -> Tensor:
         return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
     if name == "silu":  # x σ(x)
         return x / (1.0 + torch.exp(-x))
+    if name == "quick_gelu":  # OpenAI CLIP: x σ(1.702 x)
+        return x / (1.0 + torch.exp(-1.702 * x))
     raise AssertionError(name)
 
 
@@ -71,7 +73,7 @@ def _compare(module, oracle, dtype, *, dims=(2, 9)):
 
 
 def test_activation_table_is_the_documented_one():
-    assert sorted(ACTIVATIONS) == ["gelu", "gelu_tanh", "relu", "silu"]
+    assert sorted(ACTIVATIONS) == ["gelu", "gelu_tanh", "quick_gelu", "relu", "silu"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)

@@ -1,7 +1,9 @@
-"""What qkv does with every field of a HuggingFace GPT-2 / BERT config.json.
+"""What qkv does with every field of a HuggingFace GPT-2 / BERT / ViT / CLIP config.json.
 
-No tensors here (no shapes). ``GPT2_FIELDS`` and ``BERT_FIELDS`` classify each field a
-transformers ``GPT2Config`` / ``BertConfig`` writes (the 5.x fields, the 4.x ones still found
+No tensors here (no shapes). ``GPT2_FIELDS`` and ``BERT_FIELDS`` (and ``VIT_FIELDS``,
+``CLIP_FIELDS`` with its ``CLIP_TEXT_FIELDS`` / ``CLIP_VISION_FIELDS`` for the nested
+text_config / vision_config) classify each field a transformers ``GPT2Config`` /
+``BertConfig`` (``ViTConfig``, ``CLIPConfig``) writes (the 5.x fields, the 4.x ones still found
 in checkpoints on the Hub, and the ``PretrainedConfig`` base fields of both) as one of:
 
 - ``"used"``: the loader maps the field into qkv's config (``GPTConfig`` / ``BERTConfig``);
@@ -25,8 +27,9 @@ from typing import Any
 
 from .hub import CheckpointError
 
-__all__ = ["BERT_FIELDS", "GPT2_FIELDS", "HF_ACTIVATIONS", "Check", "audit_hf_config",
-           "only"]
+__all__ = ["BERT_FIELDS", "CLIP_ACTIVATIONS", "CLIP_FIELDS", "CLIP_TEXT_FIELDS",
+           "CLIP_VISION_FIELDS", "GPT2_FIELDS", "HF_ACTIVATIONS", "VIT_FIELDS", "Check",
+           "audit_hf_config", "only"]
 
 #: HF activation names (transformers.activations.ACT2FN) -> qkv's ``ACTIVATIONS`` key, for
 #: the ones qkv computes exactly (gelu_fast / gelu_python_tanh are the tanh approximation,
@@ -197,4 +200,89 @@ BERT_FIELDS: dict[str, str | Check] = {
     "add_cross_attention": only(False, why="cross-attention blocks are not supported"),
     "use_cache": "ignored: read only with is_decoder (refused)",
     "initializer_range": "ignored: initialisation only; the weights are loaded",
+}
+
+
+# --- ViT and CLIP ---------------------------------------------------------------------------
+#: CLIP's activations: HF_ACTIVATIONS plus OpenAI's quick_gelu (x·sigmoid(1.702x)), which
+#: qkv computes for the towers that use it (GPT-2 / BERT checkpoints keep HF_ACTIVATIONS)
+CLIP_ACTIVATIONS = {**HF_ACTIVATIONS, "quick_gelu": "quick_gelu"}
+_CLIP_ACTIVATION_CHECK = f"qkv computes {sorted(CLIP_ACTIVATIONS)}"
+
+
+def _clip_activation(value: Any, _data: dict[str, Any]) -> bool:
+    return isinstance(value, str) and value in CLIP_ACTIVATIONS
+
+
+def _square_int(value: Any, _data: dict[str, Any]) -> bool:
+    if isinstance(value, (list, tuple)) and len(value) == 2 and value[0] == value[1]:
+        value = value[0]
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _pooler_width(value: Any, data: dict[str, Any]) -> bool:
+    return value is None or value == data.get("hidden_size", 768)
+
+
+_INIT = "ignored: initialisation only; the weights are loaded"
+_SQUARE = "a positive int, or a [n, n] pair (square images and patches only)"
+
+VIT_FIELDS: dict[str, str | Check] = {
+    **_COMMON,
+    "model_type": only("vit", why="ViT.from_hf reads 'vit' checkpoints"),
+    "hidden_size": "used", "num_hidden_layers": "used", "num_attention_heads": "used",
+    "intermediate_size": "used", "layer_norm_eps": "used", "num_channels": "used",
+    "hidden_dropout_prob": "used", "attention_probs_dropout_prob": "used",
+    "image_size": Check(_square_int, _SQUARE, used=True),
+    "patch_size": Check(_square_int, _SQUARE, used=True),
+    "hidden_act": Check(_known_activation, _ACTIVATION_CHECK, used=True),
+    "qkv_bias": "used: false loads zero query/key/value biases (the same outputs)",
+    "pooler_act": only("tanh", why="ViTModel's pooler: tanh only"),
+    "pooler_output_size": Check(_pooler_width, "equal to hidden_size (or null)"),
+    "encoder_stride": "ignored: ViTForMaskedImageModeling's decoder, not built",
+    "initializer_range": _INIT,
+    "id2label": "ignored: the head's size is read from classifier.weight",
+    "label2id": "ignored: the head's size is read from classifier.weight",
+    "num_labels": "ignored: the head's size is read from classifier.weight",
+}
+
+_CLIP_TOWER: dict[str, str | Check] = {
+    **_COMMON,
+    "hidden_size": "used", "num_hidden_layers": "used", "num_attention_heads": "used",
+    "intermediate_size": "used", "layer_norm_eps": "used",
+    "attention_dropout": "used",
+    "hidden_act": Check(_clip_activation, _CLIP_ACTIVATION_CHECK, used=True),
+    "dropout": "ignored: a 4.x field no CLIP module reads",
+    "projection_dim": "ignored: read by CLIP*ModelWithProjection only; CLIPModel uses the "
+                      "top-level projection_dim",
+    "initializer_range": _INIT, "initializer_factor": _INIT,
+}
+
+CLIP_TEXT_FIELDS: dict[str, str | Check] = {
+    **_CLIP_TOWER,
+    "model_type": only("clip_text_model", why="a CLIP text tower"),
+    "vocab_size": "used", "max_position_embeddings": "used",
+    "eos_token_id": "used: pooling at the first eos_token_id, or (eos_token_id 2, the "
+                    "configs of transformers < 4.31) at the highest token id",
+    "pad_token_id": "ignored: the attention_mask marks padding",
+}
+
+CLIP_VISION_FIELDS: dict[str, str | Check] = {
+    **_CLIP_TOWER,
+    "model_type": only("clip_vision_model", why="a CLIP vision tower"),
+    "num_channels": "used",
+    "image_size": Check(_square_int, _SQUARE, used=True),
+    "patch_size": Check(_square_int, _SQUARE, used=True),
+}
+
+CLIP_FIELDS: dict[str, str | Check] = {
+    **_COMMON,
+    "model_type": only("clip", why="CLIP.from_hf reads 'clip' checkpoints"),
+    "projection_dim": "used",
+    "text_config": "used: audited with CLIP_TEXT_FIELDS",
+    "vision_config": "used: audited with CLIP_VISION_FIELDS",
+    "text_config_dict": "used: (old configs) merged over text_config, as transformers",
+    "vision_config_dict": "used: (old configs) merged over vision_config, as transformers",
+    "logit_scale_init_value": "ignored: initialisation only; logit_scale is loaded",
+    "initializer_factor": _INIT,
 }

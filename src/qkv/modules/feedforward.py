@@ -5,23 +5,32 @@ Shapes: B batch, N length, C model width, F hidden width; (B, N, C) -> (B, N, C)
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["ACTIVATIONS", "FeedForward", "SwiGLU"]
+__all__ = ["ACTIVATIONS", "FeedForward", "SwiGLU", "quick_gelu"]
+
+
+def quick_gelu(x: Tensor) -> Tensor:
+    """OpenAI CLIP's GELU approximation x·sigmoid(1.702·x) (HF "quick_gelu"), any shape."""
+    return x * torch.sigmoid(1.702 * x)
+
 
 ACTIVATIONS = {
     "relu": F.relu,
     "gelu": F.gelu,  # exact (erf) GELU: BERT
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's "gelu_new"
     "silu": F.silu,
+    "quick_gelu": quick_gelu,  # OpenAI CLIP
 }
 
 
 class FeedForward(nn.Module):
     """Linear(C -> F), activation, dropout, Linear(F -> C) (Vaswani et al.: ReLU, F = 4C).
 
-    ``activation`` is one of ``ACTIVATIONS``: "relu", "gelu" (erf), "gelu_tanh", "silu".
+    ``activation`` is one of ``ACTIVATIONS``: "relu", "gelu" (erf), "gelu_tanh", "silu",
+    "quick_gelu" (CLIP).
     """
 
     def __init__(self, dim: int, hidden: int, *, activation: str = "relu", bias: bool = True,
