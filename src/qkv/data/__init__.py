@@ -11,6 +11,11 @@ Shapes: B batch, N padded sequence length.
   ``read_tokenizer``, ``SPECIALS`` (``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3).
 - Files (``qkv.data.files``): ``read_pairs`` (TSV source<TAB>target), ``read_text``,
   ``DataError`` (a ValueError).
+- Images (``qkv.data.shapes``): ``ShapesDataset`` (synthetic coloured shapes, captions in
+  English / Chinese, (colour, shape) combinations held out of training), ``SHAPES``,
+  ``COLOURS``, ``COMBINATIONS``, ``heldout_combinations``, ``class_prompts``;
+  (``qkv.data.images_folder``) ``ImageFolderDataset`` (a folder of images + a captions TSV),
+  ``load_image``.
 - Pronoun resolution (``qkv.data.coref``): ``CorefExample``, ``coref_examples``,
   ``coref_sentence``, ``coref_split``, ``coref_vocabulary``, ...; ``WordTokenizer``
   (``qkv.data.words``, one id per word).
@@ -37,6 +42,16 @@ from .dates import (
     render_date,
 )
 from .files import DataError, read_pairs, read_text
+from .images_folder import ImageFolderDataset, load_image
+from .shapes import (
+    COLOURS,
+    COMBINATIONS,
+    SHAPES,
+    ShapesBatch,
+    ShapesDataset,
+    class_prompts,
+    heldout_combinations,
+)
 from .tasks import TASKS, AdditionTask, DatesTask, StringTask, Task, get_task
 from .tokenizer import SPECIALS, BPETokenizer, CharTokenizer, read_tokenizer
 from .words import WordTokenizer
@@ -47,3 +62,5 @@ __all__ = ["COREF_KINDS", "COREF_LANGS", "DATE_FORMATS", "SPECIALS", "TASKS", "A
            "coref_lexicon", "coref_sentence", "coref_split", "coref_split_pairs",
            "coref_vocabulary", "date_examples", "date_sample", "date_split", "get_task",
            "read_pairs", "read_text", "read_tokenizer", "render_date"]
+__all__ += ["COLOURS", "COMBINATIONS", "SHAPES", "ImageFolderDataset", "ShapesBatch",
+            "ShapesDataset", "class_prompts", "heldout_combinations", "load_image"]
