@@ -83,22 +83,12 @@ def seed(text: str) -> int:
 
 
 def available_memory() -> int | None:
-    """Bytes of memory available to a new allocation on this machine: ``MemAvailable`` of
-    /proc/meminfo (Linux), else physical memory from ``os.sysconf``; None when neither can
-    be read (the caller then skips its check)."""
-    import os
+    """Bytes of memory available to a new allocation on this machine (``MemAvailable`` of
+    /proc/meminfo, else ``os.sysconf``; None when neither can be read and the caller skips
+    its check): ``qkv.train.memory.available_bytes`` for the CPU, the one reader of it."""
+    from ..train.memory import available_bytes
 
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):
-        return None
+    return available_bytes()
 
 
 def format_bytes(n: float) -> str:
