@@ -358,22 +358,35 @@ def load_adapters(model: nn.Module, path: str | Path, *, name: str | None = None
     actives = {m: m.active for m in model.modules() if isinstance(m, AdaptedSublayer)}
     add_adapters(model, config, name=name)
     want = _adapter_state(model, name)
-    missing = sorted(set(want) - set(state))
-    unknown = sorted(set(state) - set(want))
-    shapes = [f"{k}: file {tuple(state[k].shape)}, model {tuple(want[k].shape)}"
-              for k in sorted(set(want) & set(state)) if state[k].shape != want[k].shape]
-    if missing or unknown or shapes:
-        remove_adapters(model, name)
-        for m, a in actives.items():
-            m.set_active(a)
-        for p in model.parameters():
-            p.requires_grad_(grads.get(id(p), p.requires_grad))
-        parts = [f"missing {missing[:5]}" if missing else "",
-                 f"unknown {unknown[:5]}" if unknown else "", "; ".join(shapes[:5])]
-        raise CheckpointError(f"{path}: the adapter does not fit this model: "
-                              + "; ".join(p for p in parts if p))
+    fit_or_roll_back(want, state, path=path, what="adapter",
+                     remove=lambda: remove_adapters(model, name), actives=actives,
+                     grads=grads, model=model)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for k in want:
             params[k.replace(".adapters.*.", f".adapters.{name}.")].copy_(state[k])
     return name
+
+
+def fit_or_roll_back(want: dict[str, Tensor], state: dict[str, Tensor], *, path: Any,
+                     what: str, remove: Any, actives: dict, grads: dict[int, bool],
+                     model: nn.Module) -> None:
+    """Check that the file's tensors ``state`` are exactly the ones the model now expects
+    (``want``: same keys, same shapes); otherwise undo the add (``remove()``, the earlier
+    active flags and ``requires_grad``) and raise ``CheckpointError`` naming what differs —
+    so a load that does not fit leaves the model as it was."""
+    missing = sorted(set(want) - set(state))
+    unknown = sorted(set(state) - set(want))
+    shapes = [f"{k}: file {tuple(state[k].shape)}, model {tuple(want[k].shape)}"
+              for k in sorted(set(want) & set(state)) if state[k].shape != want[k].shape]
+    if not (missing or unknown or shapes):
+        return
+    remove()
+    for m, a in actives.items():
+        m.set_active(a)
+    for p in model.parameters():
+        p.requires_grad_(grads.get(id(p), p.requires_grad))
+    parts = [f"missing {missing[:5]}" if missing else "",
+             f"unknown {unknown[:5]}" if unknown else "", "; ".join(shapes[:5])]
+    raise CheckpointError(f"{path}: the {what} does not fit this model: "
+                          + "; ".join(p for p in parts if p))

@@ -44,7 +44,13 @@ from ..modules.attention import MultiHeadAttention
 from ..modules.cache import KVCache
 from ..modules.layers import DecoderLayer, EncoderLayer
 from ..ops.masks import And, Causal, DenseMask, Mask, Padding, as_mask
-from .adapters import CONFIG_NAME, WEIGHTS_NAME, AdaptedSublayer, train_only
+from .adapters import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    AdaptedSublayer,
+    fit_or_roll_back,
+    train_only,
+)
 
 __all__ = ["PrefixAttention", "PrefixConfig", "PrefixKVCache", "add_prefix", "load_prefix",
            "prefix_mask", "prefix_names", "remove_prefix", "save_prefix"]
@@ -476,20 +482,9 @@ def load_prefix(model: nn.Module, path: str | Path, *, name: str | None = None) 
     except ValueError as err:
         raise CheckpointError(f"{path}: {err}") from err
     want = _prefix_state(model, name)
-    missing = sorted(set(want) - set(state))
-    unknown = sorted(set(state) - set(want))
-    shapes = [f"{k}: file {tuple(state[k].shape)}, model {tuple(want[k].shape)}"
-              for k in sorted(set(want) & set(state)) if state[k].shape != want[k].shape]
-    if missing or unknown or shapes:
-        remove_prefix(model, name)
-        for m, a in actives.items():
-            m.set_active(a)
-        for p in model.parameters():
-            p.requires_grad_(grads.get(id(p), p.requires_grad))
-        parts = [f"missing {missing[:5]}" if missing else "",
-                 f"unknown {unknown[:5]}" if unknown else "", "; ".join(shapes[:5])]
-        raise CheckpointError(f"{path}: the prefix does not fit this model: "
-                              + "; ".join(p for p in parts if p))
+    fit_or_roll_back(want, state, path=path, what="prefix",
+                     remove=lambda: remove_prefix(model, name), actives=actives,
+                     grads=grads, model=model)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for k in want:
