@@ -49,13 +49,13 @@ from .evaluate import evaluate
 from .finetune import BASE_JSON, attach_peft, check_base, load_base, prepare_base_data
 from .loss import token_loss
 from .memory import check_training_fits
+from .metrics import METRICS, NullLog, last_evaluation, truncate_metrics
 from .rundir import RunDirBusyError, RunDirLock, file_fingerprint, lock_holder
 from .schedules import lr_multiplier
 from .setup import check_model_fits_data, load_data, prepare_data
 
 __all__ = ["Trainer", "TrainingError", "build_model"]
 
-METRICS = "metrics.jsonl"
 
 
 class TrainingError(RuntimeError):
@@ -272,7 +272,7 @@ class Trainer:
                                  f"greater than {self.step} to continue it")
             barrier(self.world)
             if self.world.is_main:
-                _truncate_metrics(self.out / METRICS, self.step)
+                truncate_metrics(self.out / METRICS, self.step)
                 self._write_run_json(config)
         else:
             self._claim_new_dir()
@@ -332,7 +332,7 @@ class Trainer:
         except CheckpointError:
             if not (self.out / "run.json").exists():
                 raise
-        saved = _last_evaluation(self.out / METRICS)
+        saved = last_evaluation(self.out / METRICS)
         if saved is not None:
             raise CheckpointError(
                 f"{self.out} has no checkpoint, although {METRICS} records one saved at step "
@@ -465,7 +465,7 @@ class Trainer:
         result: dict[str, Any] = {}
         t0, tokens = time.perf_counter(), 0
         try:
-            with (self.out / METRICS).open("a") if main else _Null() as metrics:
+            with (self.out / METRICS).open("a") if main else NullLog() as metrics:
                 while self.step < c.steps:
                     m = self.train_step()
                     tokens += m["tokens"]
@@ -509,65 +509,11 @@ class Trainer:
         return result
 
 
-class _Null:
-    def __enter__(self) -> _Null:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def write(self, text: str) -> None:
-        return None
-
-    def flush(self) -> None:
-        return None
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop the lines logged after the checkpoint's step (the resumed run logs them again),
-    and a partial last line a killed process may have left."""
-    if not path.exists():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and row.get("step", 0) <= step:
-            keep.append(line)
-    text = "".join(line + "\n" for line in keep)
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
-
-
 def _fingerprint(path: Path) -> dict[str, Any]:
     try:
         return file_fingerprint(path)
     except OSError as exc:
         raise CheckpointError(f"--data {path}: cannot read it: {exc}") from exc
-
-
-def _metric_rows(path: Path) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return rows
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-
-
-def _last_evaluation(path: Path) -> int | None:
-    """The step of the last evaluation row of metrics.jsonl (written after each checkpoint),
-    or None when there is none."""
-    steps = [r.get("step") for r in _metric_rows(path) if "loss" not in r and "step" in r]
-    return steps[-1] if steps else None
 
 
 def _never_saved(out: Path) -> bool:
@@ -578,7 +524,7 @@ def _never_saved(out: Path) -> bool:
         return False
     except CheckpointError:
         pass
-    return _last_evaluation(out / METRICS) is None
+    return last_evaluation(out / METRICS) is None
 
 
 def _refuse_existing(out: Path) -> None:
