@@ -38,14 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..modules.feedforward import ACTIVATIONS
 from ..modules.layers import EncoderLayer
 from ..modules.norms import LayerNorm
 from ..modules.positions import Learned
 from .clip_loss import clip_loss
 from .hub import ModelConfig, PretrainedMixin
 from .inputs import check_token_ids
-from .vit import ViT, ViTConfig, ViTOutput
+from .vit import ViT, ViTConfig, ViTOutput, check_layer_fields
 
 __all__ = ["CLIP", "CLIPConfig", "CLIPOutput", "CLIPTextConfig", "CLIPTextOutput",
            "CLIPTextTower"]
@@ -91,15 +90,7 @@ class CLIPTextConfig(ModelConfig):
                                             or self.ffn_hidden <= 0):
             raise ValueError(f"CLIPTextConfig: ffn_hidden must be a positive int or None, "
                              f"got {self.ffn_hidden!r}")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"CLIPTextConfig: activation must be one of "
-                             f"{sorted(ACTIVATIONS)}, got {self.activation!r}")
-        if not isinstance(self.norm_eps, (int, float)) or not self.norm_eps > 0:
-            raise ValueError(f"CLIPTextConfig: norm_eps must be > 0, got {self.norm_eps!r}")
-        for name in ("dropout", "attn_dropout"):
-            val = getattr(self, name)
-            if not isinstance(val, (int, float)) or not 0.0 <= val < 1.0:
-                raise ValueError(f"CLIPTextConfig: {name} must be in [0, 1), got {val!r}")
+        check_layer_fields("CLIPTextConfig", self)
         if (not isinstance(self.eos_token_id, int) or isinstance(self.eos_token_id, bool)
                 or not 0 <= self.eos_token_id < self.vocab_size):
             raise ValueError(f"CLIPTextConfig: eos_token_id={self.eos_token_id!r} is outside "

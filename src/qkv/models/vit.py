@@ -48,6 +48,21 @@ def _positive_int(owner: str, name: str, val: Any) -> None:
         raise ValueError(f"{owner}: {name} must be a positive int, got {val!r}")
 
 
+def check_layer_fields(owner: str, config: Any) -> None:
+    """Validate the encoder-layer fields a ViT or CLIP tower config shares: ``activation``
+    (one of ``ACTIVATIONS``), ``norm_eps`` > 0, ``dropout`` and ``attn_dropout`` in [0, 1);
+    ValueError naming ``owner`` and the field otherwise."""
+    if config.activation not in ACTIVATIONS:
+        raise ValueError(f"{owner}: activation must be one of {sorted(ACTIVATIONS)}, "
+                         f"got {config.activation!r}")
+    if not isinstance(config.norm_eps, (int, float)) or not config.norm_eps > 0:
+        raise ValueError(f"{owner}: norm_eps must be > 0, got {config.norm_eps!r}")
+    for name in ("dropout", "attn_dropout"):
+        val = getattr(config, name)
+        if not isinstance(val, (int, float)) or not 0.0 <= val < 1.0:
+            raise ValueError(f"{owner}: {name} must be in [0, 1), got {val!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ViTConfig(ModelConfig):
     """Configuration of a ``ViT`` (frozen; ``ViTConfig.from_name("vit-b-16")`` for a preset).
@@ -115,15 +130,7 @@ class ViTConfig(ModelConfig):
                              f"num_heads={self.num_heads}")
         if self.ffn_hidden is not None:
             _positive_int("ViTConfig", "ffn_hidden", self.ffn_hidden)
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"ViTConfig: activation must be one of {sorted(ACTIVATIONS)}, "
-                             f"got {self.activation!r}")
-        if not isinstance(self.norm_eps, (int, float)) or not self.norm_eps > 0:
-            raise ValueError(f"ViTConfig: norm_eps must be > 0, got {self.norm_eps!r}")
-        for name in ("dropout", "attn_dropout"):
-            val = getattr(self, name)
-            if not isinstance(val, (int, float)) or not 0.0 <= val < 1.0:
-                raise ValueError(f"ViTConfig: {name} must be in [0, 1), got {val!r}")
+        check_layer_fields("ViTConfig", self)
         if self.pooling not in ("cls", "mean"):
             raise ValueError(f"ViTConfig: pooling must be 'cls' or 'mean', "
                              f"got {self.pooling!r}")
