@@ -6,7 +6,9 @@ Shapes: B batch, N padded sequence length.
   ``DatesTask``, ``StringTask`` (copy / reverse / sort), ``AdditionTask``. Counter-based and
   deterministic; held-out splits disjoint from train.
 - Dates (``qkv.data.dates``): ``DATE_FORMATS``, ``render_date``, ``date_sample``,
-  ``date_examples``, ``date_split``, ``chinese_number``.
+  ``date_examples``, ``date_split``, ``chinese_number``; ``long_date`` and
+  ``date_long_examples`` (English long dates, the ``dates-long`` task ``DatesLongTask`` of
+  ``qkv demo lora``).
 - Tokenizers (``qkv.data.tokenizer``): ``CharTokenizer``, ``BPETokenizer``,
   ``read_tokenizer``, ``SPECIALS`` (``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3).
 - Files (``qkv.data.files``): ``read_pairs`` (TSV source<TAB>target), ``read_text``,
@@ -37,8 +39,10 @@ from .dates import (
     DateSample,
     chinese_number,
     date_examples,
+    date_long_examples,
     date_sample,
     date_split,
+    long_date,
     render_date,
 )
 from .files import DataError, read_pairs, read_text
@@ -52,7 +56,7 @@ from .shapes import (
     class_prompts,
     heldout_combinations,
 )
-from .tasks import TASKS, AdditionTask, DatesTask, StringTask, Task, get_task
+from .tasks import TASKS, AdditionTask, DatesLongTask, DatesTask, StringTask, Task, get_task
 from .tokenizer import SPECIALS, BPETokenizer, CharTokenizer, read_tokenizer
 from .words import WordTokenizer
 
@@ -62,5 +66,6 @@ __all__ = ["COREF_KINDS", "COREF_LANGS", "DATE_FORMATS", "SPECIALS", "TASKS", "A
            "coref_lexicon", "coref_sentence", "coref_split", "coref_split_pairs",
            "coref_vocabulary", "date_examples", "date_sample", "date_split", "get_task",
            "read_pairs", "read_text", "read_tokenizer", "render_date"]
+__all__ += ["DatesLongTask", "date_long_examples", "long_date"]
 __all__ += ["COLOURS", "COMBINATIONS", "SHAPES", "ImageFolderDataset", "ShapesBatch",
             "ShapesDataset", "class_prompts", "heldout_combinations", "load_image"]
