@@ -18,6 +18,9 @@ Shapes: B batch, N padded sequence length.
   ``COLOURS``, ``COMBINATIONS``, ``heldout_combinations``, ``class_prompts``;
   (``qkv.data.images_folder``) ``ImageFolderDataset`` (a folder of images + a captions TSV),
   ``load_image``.
+- Interleaved image QA (``qkv.data.shapes_qa``): ``ShapesQADataset`` (rows like "<image> Q:
+  what colour is the circle? A: red."), ``QARow``, ``QAPair``, ``QABatch``, ``IMAGE_CHAR`` (the
+  ``<image>`` character, U+FFFC), ``qa_alphabet``, ``image_token_id``.
 - Pronoun resolution (``qkv.data.coref``): ``CorefExample``, ``coref_examples``,
   ``coref_sentence``, ``coref_split``, ``coref_vocabulary``, ...; ``WordTokenizer``
   (``qkv.data.words``, one id per word).
@@ -56,6 +59,15 @@ from .shapes import (
     class_prompts,
     heldout_combinations,
 )
+from .shapes_qa import (
+    IMAGE_CHAR,
+    QABatch,
+    QAPair,
+    QARow,
+    ShapesQADataset,
+    image_token_id,
+    qa_alphabet,
+)
 from .tasks import TASKS, AdditionTask, DatesLongTask, DatesTask, StringTask, Task, get_task
 from .tokenizer import SPECIALS, BPETokenizer, CharTokenizer, read_tokenizer
 from .words import WordTokenizer
@@ -69,3 +81,5 @@ __all__ = ["COREF_KINDS", "COREF_LANGS", "DATE_FORMATS", "SPECIALS", "TASKS", "A
 __all__ += ["DatesLongTask", "date_long_examples", "long_date"]
 __all__ += ["COLOURS", "COMBINATIONS", "SHAPES", "ImageFolderDataset", "ShapesBatch",
             "ShapesDataset", "class_prompts", "heldout_combinations", "load_image"]
+__all__ += ["IMAGE_CHAR", "QABatch", "QAPair", "QARow", "ShapesQADataset", "image_token_id",
+            "qa_alphabet"]

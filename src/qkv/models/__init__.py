@@ -9,6 +9,8 @@
   (symmetric InfoNCE, gathering over processes under torch.distributed); zero-shot
   classification and retrieval (``zero_shot_weights``, ``zero_shot_classify``,
   ``topk_accuracy``, ``retrieval_recall``);
+- ``Flamingo``: a frozen GPT and a frozen vision tower joined by a Perceiver resampler and
+  tanh-gated cross-attention (``bind_images`` for ``qkv.generate``);
 - ``from_hf(dir)``: load a local HuggingFace GPT-2, BERT-family, ViT or CLIP checkpoint
   directory.
 
@@ -24,6 +26,7 @@ from pathlib import Path
 from .bert import BERT, BERTConfig, BERTOutput, mean_pool
 from .clip import CLIP, CLIPConfig, CLIPOutput, CLIPTextConfig
 from .clip_loss import clip_loss
+from .flamingo import Flamingo, FlamingoConfig
 from .gpt import GPT, GPTConfig, GPTOutput
 from .hub import CheckpointError, load_tokenizer, read_json
 from .transformer import Transformer, TransformerConfig, TransformerOutput
@@ -35,6 +38,7 @@ __all__ = ["BERT", "CLIP", "GPT", "BERTConfig", "BERTOutput", "CLIPConfig", "CLI
            "TransformerConfig", "TransformerOutput", "ViT", "ViTConfig", "ViTOutput",
            "clip_loss", "from_hf", "load_tokenizer", "mean_pool", "retrieval_recall",
            "topk_accuracy", "zero_shot_classify", "zero_shot_weights"]
+__all__ += ["Flamingo", "FlamingoConfig"]
 
 _HF_ARCHITECTURES = {"gpt2": GPT, "bert": BERT, "vit": ViT, "clip": CLIP}
 
