@@ -143,3 +143,46 @@ def test_errors_are_one_line(tmp_path, capsys, gpt, seq2seq, args, message):
     assert code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_int8_decodes_with_the_quantized_model(tmp_path, capsys, monkeypatch, gpt, seq2seq,
+                                               tok):
+    """--int8: the decoding functions get the quantized model, the outputs are those of
+    qkv.quantize(model) on the same run, and the run directory is left as it was."""
+    import copy
+
+    import qkv.generation
+    from qkv.generation.quantize import is_quantized
+
+    seen = []
+    for name in ("complete", "translate"):
+        real = getattr(qkv.generation, name)
+
+        def spy(model, *args, _real=real, **kwargs):
+            seen.append(is_quantized(model))
+            return _real(model, *args, **kwargs)
+
+        monkeypatch.setattr(qkv.generation, name, spy)
+
+    run = _run_dir(tmp_path / "lm", gpt, {"model": "gpt", "task": None})
+    q = qkv.quantize(copy.deepcopy(gpt), "int8")
+    before = sorted(p.name for p in (tmp_path / "lm").iterdir())
+    assert main(["generate", run, "--prompt", "abc", "--max-new-tokens", "8", "--int8"]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    ids = torch.tensor([tok.encode("abc")])
+    want = qkv.generate(q, ids, max_new_tokens=8, eos_token_id=tok.eos_id)[0, 3:].tolist()
+    assert line == tok.decode(tok.encode("abc") + _cut(want, tok.eos_id))
+    assert sorted(p.name for p in (tmp_path / "lm").iterdir()) == before
+
+    mt = _run_dir(tmp_path / "mt", seq2seq, {"model": "transformer", "task": "dates"})
+    qs = qkv.quantize(copy.deepcopy(seq2seq), "int8")
+    texts = ["abc", "hg fe"]
+    src = [[*tok.encode(t), tok.eos_id] for t in texts]
+    width = max(map(len, src))
+    ids = torch.tensor([s + [tok.pad_id] * (width - len(s)) for s in src])
+    want = [tok.decode(_cut(r[1:], tok.eos_id))
+            for r in qkv.generate(qs, ids, max_new_tokens=10, num_beams=2).tolist()]
+    assert main(["translate", mt, *[a for t in texts for a in ("--input", t)],
+                 "--max-new-tokens", "10", "--beams", "2", "--int8"]) == 0
+    assert capsys.readouterr().out.splitlines() == want
+    assert seen == [True, True]

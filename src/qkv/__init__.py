@@ -9,6 +9,7 @@ Public API: ``qkv.attention``, ``qkv.explain``, ``qkv.masks``, ``qkv.MultiHeadAt
 
 from . import data, generation, masks, models, positions, train, viz
 from .generation import generate
+from .generation.quantize import quantize
 from .modules import KVCache, MultiHeadAttention
 from .ops import BACKENDS, BiasProducer, NoBackendError, attention, explain
 from .ops.linear import FavorFeatures, LinearState, linear_attention, linear_attention_step
@@ -18,4 +19,4 @@ __version__ = "0.1.0"
 __all__ = ["BACKENDS", "BiasProducer", "FavorFeatures", "KVCache", "LinearState",
            "MultiHeadAttention", "NoBackendError", "__version__", "attention", "data", "explain",
            "generate", "generation", "linear_attention", "linear_attention_step", "masks",
-           "models", "positions", "train", "viz"]
+           "models", "positions", "quantize", "train", "viz"]

@@ -1,0 +1,177 @@
+"""A lean single-token decode step for a ``qkv.models.GPT`` quantized with
+``qkv.quantize(model, "int8")``: the int8 math of ``QuantizedLinear`` (``int8_linear``) and
+the rest of ``GPT.forward`` with a cache, without per-call validation and module dispatch.
+
+Shapes: R rows, N prompt length, L tokens in the cache, C width, H heads, Hkv kv heads,
+D head dim, F feed-forward width, V vocab size.
+
+At batch 1 a decode step streams every weight once; int8 weights are 4× fewer bytes and
+``torch._int_mm`` reads them several times faster than fp32 GEMM reads fp32 ones, so what is
+left is the per-op dispatch: each int8 layer is 5 kernels (row max, fused scale-and-round,
+int8 copy, ``_int_mm``, fused dequantize + bias) and this step calls them directly. The
+weights are used as stored (``weight_int8.t()`` is a view ``_int_mm`` reads as it is): no
+copies are kept.
+
+Every row is quantized on its own, so each row of a batch (beams, several prompts) decodes
+as it would alone; the tokens equal greedy decoding with the quantized model's uncached
+forward. ``eligible`` says when this step computes what ``GPT.forward`` would (plain GPT
+parts, every projection and the LM head a ``QuantizedLinear``, no active dropout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..models.gpt import GPT, GPTConfig
+from ..modules.attention import MultiHeadAttention
+from ..modules.cache import KVCache
+from ..modules.feedforward import ACTIVATIONS, FeedForward
+from ..modules.layers import EncoderLayer
+from ..modules.norms import LayerNorm
+from .quantize import QuantizedLinear, int8_linear, scale127
+
+__all__ = ["Int8GPTStepper", "eligible"]
+
+# GPTConfig fields this step implements (any value); another field with a non-default value
+# (linear attention, a sliding window, a variant added later) sends the model elsewhere.
+_KNOWN = {"vocab_size", "max_len", "dim", "num_layers", "num_heads", "num_kv_heads",
+          "ffn_hidden", "activation", "norm", "norm_eps", "positions", "dropout",
+          "attn_dropout", "bias", "tie_embeddings"}
+
+
+def eligible(model: object) -> bool:
+    """True when ``model`` is a plain int8-quantized ``GPT`` whose step this module
+    reproduces."""
+    if type(model) is not GPT or type(model.lm_head) is not QuantizedLinear:
+        return False
+    c = model.config
+    for f in dataclasses.fields(GPTConfig):
+        if f.name not in _KNOWN and getattr(c, f.name) != f.default:
+            return False
+    if c.norm != "layernorm" or c.activation not in ACTIVATIONS:
+        return False
+    if model.training and (c.dropout or c.attn_dropout):
+        return False
+    if model.embed.weight.dtype != torch.float32 or type(model.norm) is not LayerNorm:
+        return False
+    for layer in model.layers:
+        attn = layer.attn
+        if (type(layer) is not EncoderLayer or not layer.norm_first
+                or type(attn) is not MultiHeadAttention or attn.in_proj is None
+                or attn.backend not in ("auto", "sdpa") or type(layer.ffn) is not FeedForward
+                or type(layer.norm1) is not LayerNorm or type(layer.norm2) is not LayerNorm):
+            return False
+        if not all(type(m) is QuantizedLinear for m in (attn.in_proj, attn.out_proj,
+                                                        layer.ffn.fc_in, layer.ffn.fc_out)):
+            return False
+    return True
+
+
+def _parts(lin: QuantizedLinear) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(Wqᵀ (K, N) int8 view, s/127 (N,), bias (N,) or None) of an int8 layer."""
+    return lin.weight_int8.t(), scale127(lin.weight_scale), lin.bias
+
+
+class Int8GPTStepper:
+    """Prefill with the model, then decode one token per row per ``step`` (int8 layers).
+
+    Args:
+        model: an ``eligible`` GPT.
+        ids: (R, N) left-padded prompts.
+        keep: (R, N) bool, True = real token, or None when nothing is padded.
+        max_new_tokens: T; the caches hold N + T positions.
+    """
+
+    def __init__(self, model: GPT, ids: Tensor, keep: Tensor | None,
+                 max_new_tokens: int) -> None:
+        if not eligible(model):
+            raise TypeError("Int8GPTStepper: model must be a plain GPT quantized with "
+                            "qkv.quantize(model, 'int8') (see fast_int8.eligible)")
+        c = model.config
+        self.model, self.ids, self.keep = model, ids, keep
+        rows, n = ids.shape
+        self.rows, self.length = rows, n
+        self.heads, self.kv_heads = c.num_heads, c.num_kv_heads or c.num_heads
+        self.head_dim = c.head_dim
+        self.gqa = self.kv_heads != self.heads
+        self.act = ACTIVATIONS[c.activation]
+        self.layers = []
+        for layer in model.layers:
+            a, f = layer.attn, layer.ffn
+            self.layers.append((
+                layer.norm1.weight, layer.norm1.bias, layer.norm1.eps, *_parts(a.in_proj),
+                *_parts(a.out_proj), layer.norm2.weight, layer.norm2.bias, layer.norm2.eps,
+                *_parts(f.fc_in), *_parts(f.fc_out)))
+        self.norm = (model.norm.weight, model.norm.bias, model.norm.eps)
+        self.width = c.dim
+        self.embed = model.embed.weight  # (V, C)
+        self.head = _parts(model.lm_head)  # (C, V) int8 view, (V,), None
+        self.pos_table = None if model.positions is None else model.positions.weight
+        self.rope = model.rope
+        self.cache = model.new_cache(rows, n + max_new_tokens)
+        if not all(type(kc) is KVCache for kc in self.cache):
+            raise TypeError("Int8GPTStepper: GPT.new_cache did not return KVCaches")
+        self.mask = None
+        self.real = None  # (R,) real prompt tokens per row: the next position, padded batch
+        if keep is not None:
+            self.mask = torch.ones(rows, 1, 1, n + max_new_tokens, dtype=torch.bool,
+                                   device=ids.device)  # (R, 1, 1, S) for SDPA
+            self.mask[:, 0, 0, :n] = keep
+            self.real = keep.sum(dim=1)
+
+    def prefill(self) -> Tensor:
+        """Run the prompt through the model (filling the caches); logits (R, V)."""
+        h, _ = self.model.hidden_states(self.ids, attention_mask=self.keep, cache=self.cache)
+        return int8_linear(h[:, -1], *self.head)
+
+    def step(self, tokens: Tensor) -> Tensor:
+        """Feed tokens (R,) at the next position; logits (R, V)."""
+        t = self.length  # cache slot of the new token
+        self.length = s = t + 1
+        rows, hd = self.rows, self.heads * self.head_dim
+        kvd = self.kv_heads * self.head_dim
+        x = self.embed.index_select(0, tokens)  # (R, C)
+        if self.real is None:  # every row at position t (positions were checked by generate)
+            rope_pos = torch.tensor([t], device=tokens.device) if self.rope is not None else None
+            if self.pos_table is not None:
+                x = x + self.pos_table[t]
+        else:
+            pos = self.real + (t - self.ids.shape[1])  # (R,)
+            rope_pos = pos[:, None] if self.rope is not None else None
+            if self.pos_table is not None:
+                x = x + self.pos_table.index_select(0, pos)
+        mask = None if self.mask is None else self.mask[..., :s]  # (R, 1, 1, S)
+        width = (self.width,)
+        for (w1, b1, e1, q_in, s_in, b_in, q_out, s_out, b_out, w2, b2, e2, q_fc, s_fc, b_fc,
+             q_proj, s_proj, b_proj), cache in zip(self.layers, self.cache, strict=True):
+            h = F.layer_norm(x, width, w1, b1, e1)
+            proj = int8_linear(h, q_in, s_in, b_in)  # (R, (H + 2·Hkv)·D)
+            q = proj[:, :hd].view(rows, self.heads, 1, self.head_dim)  # (R, H, 1, D)
+            k = proj[:, hd:hd + kvd].view(rows, self.kv_heads, 1, self.head_dim)
+            v = proj[:, hd + kvd:].view(rows, self.kv_heads, 1, self.head_dim)
+            if self.rope is not None:
+                q, k = self.rope.rotate(q, rope_pos), self.rope.rotate(k, rope_pos)
+            cache.keys[:, :, t:s] = k
+            cache.values[:, :, t:s] = v
+            a = F.scaled_dot_product_attention(
+                q, cache.keys[:, :, :s], cache.values[:, :, :s], attn_mask=mask,
+                enable_gqa=self.gqa)  # (R, H, 1, D)
+            x = int8_linear(a.reshape(rows, hd), q_out, s_out, b_out).add_(x)  # (R, C)
+            h = F.layer_norm(x, width, w2, b2, e2)
+            f = self.act(int8_linear(h, q_fc, s_fc, b_fc))  # (R, F)
+            x = int8_linear(f, q_proj, s_proj, b_proj).add_(x)  # (R, C)
+        return int8_linear(F.layer_norm(x, width, *self.norm), *self.head)  # (R, V)
+
+    def reorder(self, idx: Tensor) -> None:
+        """Row r continues from row ``idx[r]``."""
+        n = self.length  # the step writes the buffers itself: index their filled part
+        for kc in self.cache:
+            kc.keys[:, :, :n] = kc.keys[:, :, :n].index_select(0, idx)
+            kc.values[:, :, :n] = kc.values[:, :, :n].index_select(0, idx)
+        if self.mask is not None:
+            self.mask = self.mask.index_select(0, idx)
+            self.real = self.real.index_select(0, idx)
