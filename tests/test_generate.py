@@ -411,7 +411,7 @@ def test_result_is_a_normal_tensor(gpt):
 
 
 # --- cache reordering ------------------------------------------------------------------------
-def test_reorder_cache_kv_and_other_objects():
+def test_reorder_cache_kv_and_refuses_objects_without_reorder():
     cache = qkv.KVCache(3, 2, 8, 4, dtype=F64)
     k = torch.randn(3, 2, 5, 4, dtype=F64)
     with torch.inference_mode():
@@ -421,16 +421,14 @@ def test_reorder_cache_kv_and_other_objects():
         torch.testing.assert_close(cache.get()[0], k[idx], rtol=0, atol=0)
         torch.testing.assert_close(cache.get()[1], k[idx] + 1, rtol=0, atol=0)
 
-    class State:
+    class State:  # a custom cache without reorder(): refused, not reordered by guessed sizes
         def __init__(self):
             self.state = qkv.LinearState(torch.arange(3.0)[:, None], torch.arange(3.0), None)
-            self.other = torch.arange(6.0)  # not batch-first: left alone
-            self.length = 4
 
     s = State()
-    reorder_cache(s, torch.tensor([1, 0, 0]))
-    assert s.state.z.tolist() == [1.0, 0.0, 0.0] and s.state.log_scale is None
-    assert s.other.tolist() == list(range(6)) and s.length == 4
+    with pytest.raises(TypeError, match=r"reorder\(idx\)"):
+        reorder_cache(s, torch.tensor([1, 0, 0]))
+    assert s.state.z.tolist() == [0.0, 1.0, 2.0]  # untouched
 
 
 # --- bad arguments -------------------------------------------------------------------------

@@ -15,8 +15,10 @@ from torch import Tensor, nn
 
 from ..models.transformer import Transformer
 from .fast_gpt import FastGPTStepper, eligible
+from .multi_token_gpt import MultiTokenGPTStepper
+from .prompt_lookup import DEFAULT_NGRAM, NgramIndex, prompt_lookup_greedy
 from .search import beam_search, greedy_or_sample
-from .steppers import GPTStepper, Seq2SeqStepper
+from .steppers import GPTStepper, Seq2SeqStepper, check_truncatable
 
 __all__ = ["generate"]
 
@@ -136,7 +138,9 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
              eos_token_id: int | Sequence[int] | None = None,
              pad_token_id: int | None = None,
              decoder_start_token_id: int | None = None,
-             generator: torch.Generator | None = None, use_cache: bool = True) -> Tensor:
+             generator: torch.Generator | None = None, use_cache: bool = True,
+             prompt_lookup_num_tokens: int | None = None,
+             max_matching_ngram_size: int | None = None) -> Tensor:
     """Generate tokens with a decoder-only model (``qkv.models.GPT``, or anything with its
     interface) or an encoder-decoder ``qkv.models.Transformer``.
 
@@ -167,6 +171,13 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
             ``config.bos_id``).
         generator: a ``torch.Generator`` for reproducible sampling.
         use_cache: False recomputes the whole sequence each step (slow; the tests' oracle).
+        prompt_lookup_num_tokens: k >= 1 turns on prompt-lookup decoding (greedy only): each
+            step drafts up to k tokens copied from the prompt (the source, for a Transformer)
+            or the text generated so far where its last n-gram occurred before, and verifies
+            them in one forward pass; the tokens are greedy's, in fewer passes when the
+            output copies its input (``qkv.generation.prompt_lookup``). None: off.
+        max_matching_ngram_size: the longest n-gram looked up (default 2, as HF); only with
+            ``prompt_lookup_num_tokens``.
 
     Returns:
         GPT: (B, N + T) int64, the prompt then the new tokens (as HF's ``generate``);
@@ -186,29 +197,63 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
         TypeError for a model of another kind or an argument of the wrong type; ValueError
         for a bad value (num_beams < 1, top_p outside (0, 1], temperature <= 0, sampling
         options without do_sample, do_sample with beams, a token id outside the vocabulary,
-        right-padded GPT prompts, more positions than the model's ``max_len``).
+        right-padded GPT prompts, more positions than the model's ``max_len``,
+        ``prompt_lookup_num_tokens`` < 1 or with beams or sampling); TypeError for prompt
+        lookup on a model whose caches cannot roll back (sliding-window, linear attention).
     """
     _check_args(num_beams, length_penalty, do_sample, temperature, top_k, top_p, generator,
                 use_cache, max_new_tokens)
+    lookup = _check_lookup(prompt_lookup_num_tokens, max_matching_ngram_size, num_beams,
+                           do_sample)
     ids = _check_ids(input_ids)
     eos_token_id = _stop_ids(eos_token_id)
     if isinstance(model, Transformer):
         out = _generate_seq2seq(model, ids, attention_mask, max_new_tokens, num_beams,
                                 length_penalty, do_sample, temperature, top_k, top_p,
                                 eos_token_id, pad_token_id, decoder_start_token_id, generator,
-                                use_cache)
+                                use_cache, lookup)
     elif isinstance(model, nn.Module) and callable(getattr(model, "new_cache", None)):
         if decoder_start_token_id is not None:
             raise ValueError("generate: decoder_start_token_id is for encoder-decoder models; "
                              "a decoder-only model continues its prompt")
         out = _generate_decoder(model, ids, attention_mask, max_new_tokens, num_beams,
                                 length_penalty, do_sample, temperature, top_k, top_p,
-                                eos_token_id, pad_token_id, generator, use_cache)
+                                eos_token_id, pad_token_id, generator, use_cache, lookup)
     else:
         raise TypeError(f"generate: model must be a qkv.models.GPT (or a decoder with "
                         f"forward(ids, attention_mask=, cache=) and new_cache(batch, "
                         f"capacity)) or a qkv.models.Transformer, got {type(model).__name__}")
     return out.clone()  # a normal tensor, not an inference tensor
+
+
+def _check_lookup(k: Any, ngram: Any, num_beams: int, do_sample: bool
+                  ) -> tuple[int, int] | None:
+    """``(k, max n-gram)`` for prompt-lookup decoding, or None when it is off."""
+    if k is None:
+        if ngram is not None:
+            raise ValueError(f"generate: max_matching_ngram_size={ngram!r} only applies with "
+                             f"prompt_lookup_num_tokens")
+        return None
+    _int("prompt_lookup_num_tokens", k, 1, none=True)
+    _int("max_matching_ngram_size", ngram, 1, none=True)
+    if num_beams > 1 or do_sample:
+        what = f"num_beams={num_beams}" if num_beams > 1 else "do_sample=True"
+        raise ValueError(f"generate: prompt_lookup_num_tokens={k} is greedy decoding only; it "
+                         f"cannot be combined with {what}")
+    return k, DEFAULT_NGRAM if ngram is None else ngram
+
+
+def _lookup(stepper, segments: list[list[list[int]]], lookup: tuple[int, int],
+            max_new_tokens: int, eos, pad: int, device: torch.device) -> Tensor:
+    """Prompt-lookup greedy decoding: one lookup text (a list of segments) per row."""
+    k, ngram = lookup
+    cache = getattr(stepper, "cache", None)
+    if cache is not None:
+        check_truncatable(cache)
+    eos = None if eos is None else torch.tensor(eos, dtype=torch.long, device=device)
+    texts = [NgramIndex(ngram, segs) for segs in segments]
+    return prompt_lookup_greedy(stepper, texts, max_new_tokens, num_tokens=k, eos=eos,
+                                pad=pad, device=device)
 
 
 def _search(stepper, rows: int, num_beams: int, max_new_tokens: int, length_penalty: float,
@@ -225,7 +270,7 @@ def _search(stepper, rows: int, num_beams: int, max_new_tokens: int, length_pena
 
 def _generate_decoder(model, ids, attention_mask, max_new_tokens, num_beams, length_penalty,
                       do_sample, temperature, top_k, top_p, eos, pad, generator,
-                      use_cache) -> Tensor:
+                      use_cache, lookup) -> Tensor:
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
     if isinstance(vocab, int):
@@ -246,10 +291,19 @@ def _generate_decoder(model, ids, attention_mask, max_new_tokens, num_beams, len
         if num_beams > 1:
             rows_ids = ids.repeat_interleave(num_beams, dim=0)
             rows_keep = None if keep is None else keep.repeat_interleave(num_beams, dim=0)
-        if use_cache and eligible(model):
+        fast = use_cache and eligible(model)
+        if fast and lookup is not None:  # verifies several tokens per row, rolls back
+            stepper = MultiTokenGPTStepper(model, rows_ids, rows_keep, n + max_new_tokens)
+        elif fast:
             stepper = FastGPTStepper(model, rows_ids, rows_keep, max_new_tokens)
         else:
             stepper = GPTStepper(model, rows_ids, rows_keep, max_new_tokens, use_cache)
+        if lookup is not None:
+            real = ids.tolist() if keep is None else [
+                row[k].tolist() for row, k in zip(ids, keep, strict=True)]
+            new = _lookup(stepper, [[r] for r in real], lookup, max_new_tokens, eos, pad,
+                          ids.device)
+            return torch.cat((ids, new), dim=1)
         new = _search(stepper, batch, num_beams, max_new_tokens, length_penalty, do_sample,
                       temperature, top_k, top_p, eos, pad, generator, ids.device)
         return torch.cat((ids, new), dim=1)
@@ -257,7 +311,7 @@ def _generate_decoder(model, ids, attention_mask, max_new_tokens, num_beams, len
 
 def _generate_seq2seq(model, src, attention_mask, max_new_tokens, num_beams, length_penalty,
                       do_sample, temperature, top_k, top_p, eos, pad, start, generator,
-                      use_cache) -> Tensor:
+                      use_cache, lookup) -> Tensor:
     c = model.config
     eos = (c.eos_id,) if eos is None else eos
     pad = c.pad_id if pad is None else pad
@@ -272,7 +326,13 @@ def _generate_seq2seq(model, src, attention_mask, max_new_tokens, num_beams, len
         src_mask = None if attention_mask is None else _check_mask(attention_mask, src)
         stepper = Seq2SeqStepper(model, src, src_mask, start, num_beams, max_new_tokens,
                                  use_cache)
-        new = _search(stepper, src.shape[0], num_beams, max_new_tokens, length_penalty,
-                      do_sample, temperature, top_k, top_p, eos, pad, generator, src.device)
+        if lookup is not None:
+            keep = src != c.pad_id if src_mask is None else src_mask
+            segments = [[row[k].tolist(), [start]] for row, k in zip(src, keep, strict=True)]
+            new = _lookup(stepper, segments, lookup, max_new_tokens, eos, pad, src.device)
+        else:
+                new = _search(stepper, src.shape[0], num_beams, max_new_tokens, length_penalty,
+                          do_sample, temperature, top_k, top_p, eos, pad, generator,
+                          src.device)
         first = torch.full((src.shape[0], 1), start, dtype=torch.long, device=src.device)
         return torch.cat((first, new), dim=1)

@@ -8,6 +8,12 @@ the prompt, ``step(tokens (R,))`` feeds one token per row and returns the next l
 ``reorder(idx (R,))`` makes row r continue from row ``idx[r]`` (beam search). The cached
 steppers keep a KV cache (or whatever ``new_cache`` returns); the uncached ones recompute the
 whole sequence every step, the oracle the tests compare the cached paths against.
+Prompt-lookup decoding also calls ``run(tokens (R, n))`` -> logits (R, n, V) (n tokens per row
+in one forward pass) and ``rewind(length)`` (forget the positions from ``length`` on).
+
+Caches follow explicit protocols: beam search calls each cache's ``reorder(idx)`` and refuses
+one without it (``reorder_cache``); prompt lookup calls ``truncate(length)`` and refuses caches
+that cannot roll back (``check_truncatable``).
 """
 
 from __future__ import annotations
@@ -17,52 +23,63 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..modules.cache import KVCache
+from ..modules.cache import WindowKVCache
 
-__all__ = ["GPTStepper", "Seq2SeqStepper", "reorder_cache"]
-
-
-def _reorder_object(obj: Any, idx: Tensor) -> None:
-    """Index every batch-first tensor attribute of ``obj`` (and the tensor fields of a
-    NamedTuple attribute, e.g. a ``LinearState``) by ``idx`` along dim 0."""
-    rows = idx.shape[0]
-    try:
-        items = list(vars(obj).items())
-    except TypeError:
-        raise TypeError(f"generate: cannot reorder a cache of type {type(obj).__name__} for "
-                        f"beam search (give it a reorder(idx) method)") from None
-
-    def pick(t: Any) -> Any:
-        if isinstance(t, Tensor) and t.dim() >= 1 and t.shape[0] == rows:
-            return t.index_select(0, idx)
-        return t
-
-    for name, val in items:
-        if isinstance(val, Tensor):
-            setattr(obj, name, pick(val))
-        elif isinstance(val, tuple) and hasattr(val, "_fields"):
-            setattr(obj, name, type(val)(*(pick(t) for t in val)))
+__all__ = ["GPTStepper", "Seq2SeqStepper", "check_truncatable", "reorder_cache", "truncate_cache"]
 
 
 def reorder_cache(cache: Any, idx: Tensor) -> None:
     """Make cache row r hold what row ``idx[r]`` held (beam search), in place.
 
     ``cache`` is what a model's ``new_cache`` returned: a list of per-layer caches (or one
-    object). A cache with a ``reorder(idx)`` method is asked to do it; a ``qkv.KVCache``
-    (and its subclasses) has its key/value buffers indexed along the batch dim; any other
-    object has its batch-first tensor attributes (and NamedTuple states such as
-    ``qkv.LinearState``) indexed. ``idx``: (R,) int64 row indices.
+    object). Every cache must implement ``reorder(idx)`` — qkv's ``KVCache``,
+    ``WindowKVCache``, ``LinearCache`` and ``qkv.peft``'s ``PrefixKVCache`` do; a custom cache
+    must too: nothing is reordered by guessing which of its tensors are batch-first.
+    ``idx``: (R,) int64 row indices.
+
+    Raises:
+        TypeError naming ``reorder(idx)`` for a cache without it (before any cache of the
+        list is touched).
     """
-    for c in cache if isinstance(cache, (list, tuple)) else (cache,):
-        fn = getattr(c, "reorder", None)
-        if callable(fn):
-            fn(idx)
-        elif type(c) is KVCache:  # only the filled part, in place
-            n = c.length
-            c.keys[:, :, :n] = c.keys[:, :, :n].index_select(0, idx)
-            c.values[:, :, :n] = c.values[:, :, :n].index_select(0, idx)
-        else:
-            _reorder_object(c, idx)
+    caches = list(cache) if isinstance(cache, (list, tuple)) else [cache]
+    for i, c in enumerate(caches):
+        if not callable(getattr(c, "reorder", None)):
+            where = f" (layer {i})" if isinstance(cache, (list, tuple)) else ""
+            raise TypeError(f"generate: beam search reorders the decoding cache, but the "
+                            f"cache of type {type(c).__name__}{where} has no reorder(idx) "
+                            f"method; a custom cache must implement reorder(idx) (make row r "
+                            f"hold what row idx[r] held)")
+    for c in caches:
+        c.reorder(idx)
+
+
+def truncate_cache(cache: Any, length: int) -> None:
+    """Forget every position from ``length`` on in each cache of ``cache`` (a list of
+    per-layer caches or one object), through its ``truncate(length)`` method.
+
+    Raises:
+        TypeError naming ``truncate(length)`` for a cache without it.
+    """
+    caches = list(cache) if isinstance(cache, (list, tuple)) else [cache]
+    if not all(callable(getattr(c, "truncate", None)) for c in caches):
+        raise TypeError(f"generate: prompt_lookup_num_tokens rolls the decoding cache back, but "
+                        f"a cache of type {type(caches[0]).__name__} has no truncate(length) "
+                        f"method")
+    for c in caches:
+        c.truncate(length)
+
+
+def check_truncatable(cache: Any) -> None:
+    """Raise TypeError (naming the cache type) unless every cache in ``cache`` can roll back:
+    a ``truncate`` method, and not a ring buffer (``WindowKVCache``) or a summed state."""
+    caches = list(cache) if isinstance(cache, (list, tuple)) else [cache]
+    for c in caches:
+        if not callable(getattr(c, "truncate", None)) or isinstance(c, WindowKVCache):
+            raise TypeError(f"generate: prompt_lookup_num_tokens needs decoding caches that can "
+                            f"roll back rejected draft tokens (truncate(length)); this model's "
+                            f"caches are {type(c).__name__}s (a sliding-window ring buffer or a "
+                            f"linear-attention state cannot); decode it without "
+                            f"prompt_lookup_num_tokens")
 
 
 class GPTStepper:
@@ -93,27 +110,34 @@ class GPTStepper:
         if not use_cache:
             self.seq = torch.zeros(rows, total, dtype=ids.dtype, device=ids.device)
             self.seq[:, :n] = ids
-        self.cache = None
+        self.cache = model.new_cache(rows, total) if use_cache else None
 
     def _mask(self) -> Tensor | None:
         return None if self.mask is None else self.mask[:, :self.length]
 
     def prefill(self) -> Tensor:
         """Logits (R, V) of the token after the prompt."""
-        if self.use_cache:
-            self.cache = self.model.new_cache(self.ids.shape[0], self.total)
         logits = self.model(self.ids, attention_mask=self._mask(), cache=self.cache)
         return logits[:, -1]
 
     def step(self, tokens: Tensor) -> Tensor:
         """Feed tokens (R,); logits (R, V) of the next position."""
-        self.length += 1
+        return self.run(tokens[:, None])[:, -1]
+
+    def run(self, tokens: Tensor) -> Tensor:
+        """Feed n tokens per row, (R, n); logits (R, n, V) of the position after each."""
+        n = tokens.shape[1]
+        self.length += n
         if self.use_cache:
-            logits = self.model(tokens[:, None], attention_mask=self._mask(), cache=self.cache)
-        else:
-            self.seq[:, self.length - 1] = tokens
-            logits = self.model(self.seq[:, :self.length], attention_mask=self._mask())
-        return logits[:, -1]
+            return self.model(tokens, attention_mask=self._mask(), cache=self.cache)
+        self.seq[:, self.length - n:self.length] = tokens
+        return self.model(self.seq[:, :self.length], attention_mask=self._mask())[:, -n:]
+
+    def rewind(self, length: int) -> None:
+        """Forget the positions from ``length`` on (rejected draft tokens)."""
+        if self.use_cache:
+            truncate_cache(self.cache, length)
+        self.length = length
 
     def reorder(self, idx: Tensor) -> None:
         """Row r continues from row ``idx[r]``."""
@@ -163,22 +187,33 @@ class Seq2SeqStepper:
                              src_mask.repeat_interleave(beams, dim=0) if beams > 1 else src_mask)
 
     def _run(self, tgt: Tensor) -> Tensor:
+        """Logits (R, n, V) after the n tokens ``tgt`` (R, n) just placed in ``self.tgt``."""
         if self.use_cache:
-            logits = self.model.decode(tgt, memory_kv=self.memory_kv,
-                                       memory_mask=self.memory_mask, cache=self.cache)
-        else:
-            logits = self.model(self.src, self.tgt[:, :self.length], src_mask=self.src_mask)
-        return logits[:, -1]
+            return self.model.decode(tgt, memory_kv=self.memory_kv,
+                                     memory_mask=self.memory_mask, cache=self.cache)
+        logits = self.model(self.src, self.tgt[:, :self.length], src_mask=self.src_mask)
+        return logits[:, -tgt.shape[1]:]
 
     def prefill(self) -> Tensor:
         """Logits (R, V) of the first token after the start token."""
-        return self._run(self.tgt[:, :1])
+        return self._run(self.tgt[:, :1])[:, -1]
 
     def step(self, tokens: Tensor) -> Tensor:
         """Feed tokens (R,); logits (R, V) of the next position."""
-        self.tgt[:, self.length] = tokens
-        self.length += 1
-        return self._run(tokens[:, None])
+        return self.run(tokens[:, None])[:, -1]
+
+    def run(self, tokens: Tensor) -> Tensor:
+        """Feed n tokens per row, (R, n); logits (R, n, V) of the position after each."""
+        n = tokens.shape[1]
+        self.tgt[:, self.length:self.length + n] = tokens
+        self.length += n
+        return self._run(tokens)
+
+    def rewind(self, length: int) -> None:
+        """Forget the positions from ``length`` on (rejected draft tokens)."""
+        if self.use_cache:
+            truncate_cache(self.cache, length)
+        self.length = length
 
     def reorder(self, idx: Tensor) -> None:
         """Row r continues from row ``idx[r]`` (the memory is the same within a source)."""

@@ -20,6 +20,13 @@ A ``LinearCache`` holds the constant-size ``qkv.LinearState`` of causal linear a
 Each cache answers ``key_length(n)``: how many keys the attention over n new positions sees
 (what a key-padding mask must cover), and ``nbytes``: the memory it holds.
 
+Each cache implements ``reorder(idx)`` (row r becomes what row ``idx[r]`` was): beam search
+calls it, and refuses a cache object without it (``qkv.generation.reorder_cache``) rather
+than guess which of its tensors are batch-first. A ``KVCache`` also implements
+``truncate(length)`` (forget the positions from ``length`` on), which prompt-lookup decoding
+uses to roll back rejected draft tokens; a ``WindowKVCache`` cannot (its ring buffer has
+overwritten them) and a ``LinearCache`` has summed them into its state.
+
 The caches are an inference tool: writing a tensor that requires grad while autograd is
 recording raises (run decoding under ``torch.no_grad()`` or ``torch.inference_mode()``).
 A cache created inside ``torch.inference_mode()`` can only be written inside it (torch's rule
@@ -40,6 +47,18 @@ def _check_positive(cls: str, **values: object) -> None:
     for name, val in values.items():
         if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
             raise ValueError(f"{cls}: {name} must be a positive int, got {val!r}")
+
+
+def _check_reorder(cls: str, idx: object, batch: int) -> None:
+    if (not isinstance(idx, Tensor) or idx.dim() != 1 or idx.shape[0] != batch
+            or idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool):
+        got = (f"{tuple(idx.shape)} {idx.dtype}" if isinstance(idx, Tensor)
+               else type(idx).__name__)
+        raise ValueError(f"{cls}: reorder idx must be a (B,) = ({batch},) integer tensor of "
+                         f"row indices, got {got}")
+    if batch and (int(idx.min()) < 0 or int(idx.max()) >= batch):
+        raise ValueError(f"{cls}: reorder idx must hold rows in [0, {batch}), got "
+                         f"{idx.tolist()}")
 
 
 def _check_dtype(cls: str, dtype: torch.dtype | None) -> torch.dtype:
@@ -202,6 +221,32 @@ class KVCache:
         """Forget every position (the buffers stay allocated)."""
         self._length = 0
 
+    def truncate(self, length: int) -> None:
+        """Keep positions ``[0, length)`` and forget the rest (``0 <= length <= self.length``):
+        prompt-lookup decoding rolls back the draft tokens its verification rejected. The
+        next write starts at ``length``.
+
+        Raises:
+            ValueError for a length outside ``[0, self.length]``.
+        """
+        if not isinstance(length, int) or isinstance(length, bool) or not (
+                0 <= length <= self._length):
+            raise ValueError(f"{type(self).__name__}: truncate length must be an int in "
+                             f"[0, length={self._length}], got {length!r}")
+        self._length = length
+
+    def reorder(self, idx: Tensor) -> None:
+        """Make batch row r hold what row ``idx[r]`` held (beam search), in place; ``idx``
+        (B,) integer row indices. Only the filled positions are moved.
+
+        Raises:
+            ValueError for an ``idx`` that is not (B,) integers in ``[0, B)``.
+        """
+        _check_reorder(type(self).__name__, idx, self.batch)
+        n = self._length
+        self.keys[:, :, :n] = self.keys[:, :, :n].index_select(0, idx)
+        self.values[:, :, :n] = self.values[:, :, :n].index_select(0, idx)
+
     def __repr__(self) -> str:
         return (f"KVCache(batch={self.batch}, num_kv_heads={self.num_kv_heads}, "
                 f"length={self.length}, capacity={self.capacity}, head_dim={self.head_dim}, "
@@ -334,8 +379,19 @@ class WindowKVCache(KVCache):
         first = self._length - m
         return (self._ordered(self.keys, first, m), self._ordered(self.values, first, m))
 
+    def truncate(self, length: int) -> None:
+        """Not possible: the ring buffers have overwritten what a rollback would need.
+
+        Raises:
+            TypeError always (prompt-lookup decoding needs caches that can roll back).
+        """
+        raise TypeError(f"WindowKVCache cannot truncate (to {length!r}): its ring buffers keep "
+                        f"only the last {self.slots} positions, so a rollback cannot restore "
+                        f"the ones it overwrote")
+
     def reorder(self, idx: Tensor) -> None:
         """Make batch row r hold what row ``idx[r]`` held (beam search); ``idx`` (B,) int."""
+        _check_reorder(type(self).__name__, idx, self.batch)
         self.keys.copy_(self.keys.index_select(0, idx))
         self.values.copy_(self.values.index_select(0, idx))
 
@@ -416,6 +472,7 @@ class LinearCache:
 
     def reorder(self, idx: Tensor) -> None:
         """Make batch row r hold what row ``idx[r]`` held (beam search); ``idx`` (B,) int."""
+        _check_reorder(type(self).__name__, idx, self.batch)
         if self.state is not None:
             self.state = LinearState(*(None if t is None else t.index_select(0, idx)
                                        for t in self.state))
