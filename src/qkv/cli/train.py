@@ -1,5 +1,6 @@
-"""``qkv train``: train a Transformer, GPT or BERT on an embedded task or your own file, with
-checkpoints you can resume bit-identically, under one process or ``torchrun``."""
+"""``qkv train``: train a Transformer, GPT or BERT on an embedded task or your own file, or a
+CLIP on image-caption pairs (the shapes task or your folder of images), with checkpoints
+you can resume bit-identically, under one process or ``torchrun``."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ EXAMPLES = """examples:
   qkv train --model gpt --data corpus.txt --max-len 256 --schedule cosine --lr 6e-4
   qkv train --model gpt --task addition --set positions=rope
   qkv train --model bert-mlm --data corpus.txt
+  qkv train --model clip --task shapes --batch-size 256 --steps 1300 --lr 1e-3 --label-smoothing 0
+  qkv train --model clip --data photos/ --set vision.image_size=64   # photos/captions.tsv
   qkv train --task dates-long --init-from runs/dates --lora r=8,alpha=16,targets=q+v
   qkv train --task dates-long --init-from runs/dates --adapters reduction_factor=16
   qkv train --model gpt --data corpus.txt --init-from runs/gpt-text --prefix 16
@@ -26,7 +29,11 @@ EXAMPLES = """examples:
   torchrun --nproc-per-node 4 -m qkv.cli train --data pairs.tsv --device cuda   # nccl
 
 --data: a TSV file (source<TAB>target per line) for --model transformer; plain UTF-8 text for
-gpt / bert-mlm. --steps always counts the optimizer steps of the whole run. The run directory
+gpt / bert-mlm; for clip a folder of images with captions.tsv (file<TAB>caption per line).
+--model clip trains only on --task shapes (the default for it) or such a folder; it reports
+eval_loss, recall_at_1 (text -> image) and, for shapes, zero_shot_accuracy on the held-out
+colour/shape combinations; --set vision.FIELD=V / text.FIELD=V set a tower's field.
+--steps always counts the optimizer steps of the whole run. The run directory
 holds run.json, metrics.jsonl and checkpoint/ (config.json, model.safetensors, tokenizer.json,
 trainer state): load it with qkv.train.load_run(DIR) or Model.from_pretrained(DIR/checkpoint).
 One process writes a run directory at a time (RUN/.lock while it trains); a second qkv train
@@ -48,10 +55,13 @@ DIR` folds a LoRA run into a plain model directory.
 
 #: (flag, TrainConfig field, type, help); every one defaults to the TrainConfig default
 _SETTINGS: tuple[tuple[str, str, Any, str], ...] = (
-    ("--model", "model", str, "transformer (default), gpt or bert-mlm"),
-    ("--preset", "preset", str, "model preset (default: transformer-tiny, gpt-tiny, bert-tiny)"),
-    ("--task", "task", str, "embedded task: dates (default), copy, reverse, sort, addition"),
-    ("--data", "data", str, "a TSV pairs file (transformer) or a text file (gpt, bert-mlm)"),
+    ("--model", "model", str, "transformer (default), gpt, bert-mlm or clip"),
+    ("--preset", "preset", str, "model preset (default: transformer-tiny, gpt-tiny, bert-tiny, "
+                                "clip-shapes)"),
+    ("--task", "task", str, "embedded task: dates (default), copy, reverse, sort, addition, "
+                            "dates-long; shapes (clip's, image-caption pairs)"),
+    ("--data", "data", str, "a TSV pairs file (transformer), a text file (gpt, bert-mlm) or a "
+                            "folder of images with captions.tsv (clip)"),
     ("--tokenizer", "tokenizer", str, "char (default) or bpe"),
     ("--bpe-vocab-size", "bpe_vocab_size", int, "BPE vocabulary size (default 1000)"),
     ("--steps", "steps", int, "optimizer steps of the whole run (default 1000)"),
@@ -250,6 +260,15 @@ def _check_init_from(args: argparse.Namespace, given: dict[str, Any]) -> None:
         given["model"] = base_model_kind(given["init_from"])
 
 
+def _own_tasks(model: str | None) -> tuple[str, ...] | None:
+    """The tasks only ``model``'s kind trains (clip: shapes); None for the text kinds or an
+    unknown kind (which TrainConfig names)."""
+    from ..train.kinds import KINDS
+
+    kind = KINDS.get(model) if isinstance(model, str) else None
+    return None if kind is None else kind.tasks
+
+
 def _run(args: argparse.Namespace) -> int:
     from ..train.config import ConfigError
     from . import UserError
@@ -286,8 +305,12 @@ def _train(args: argparse.Namespace) -> int:
                             "data file as it is)")
         if "data" in given and "task" not in given:
             given["task"] = None
-        if "data" in given and not Path(given["data"]).is_file():
-            raise UserError(f"--data {given['data']}: no such file")
+        if "data" not in given and "task" not in given:  # a kind's own task (clip: shapes)
+            tasks = _own_tasks(given.get("model"))
+            if tasks:
+                given["task"] = tasks[0]
+        if "data" in given and not Path(given["data"]).exists():
+            raise UserError(f"--data {given['data']}: no such file or directory")
         peft = _peft(args)
         if peft is not None and "init_from" not in given:
             flag = {"lora": "--lora", "adapters": "--adapters", "prefix": "--prefix"}[

@@ -137,6 +137,13 @@ class CLIPConfig(ModelConfig):
                       "text": {"vocab_size": 512, "max_len": 32, "dim": 64, "num_layers": 2,
                                "num_heads": 2, "eos_token_id": 511},
                       "embed_dim": 64},
+        # the shapes task (qkv train --model clip --task shapes): 32 px, P=8, width 64,
+        # 3 image + 2 text layers, 4 heads; the text sizes are set from the data
+        "clip-shapes": {"vision": _clip_vision(image_size=32, patch_size=8, dim=64,
+                                               num_layers=3, num_heads=4),
+                        "text": {"vocab_size": 512, "max_len": 32, "dim": 64, "num_layers": 2,
+                                 "num_heads": 4, "eos_token_id": 2},
+                        "embed_dim": 64},
         "clip-s-64": {"vision": _clip_vision(image_size=64, patch_size=8, dim=384,
                                              num_layers=12, num_heads=6),
                       "text": {"dim": 384, "num_layers": 12, "num_heads": 6},

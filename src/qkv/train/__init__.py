@@ -1,6 +1,8 @@
 """Training: ``Trainer`` (the loop behind ``qkv train`` / ``qkv demo``), ``TrainConfig``,
 learning-rate schedules, atomic safetensors + JSON checkpoints, ``load_run`` for a run
-directory, and data parallelism under torchrun.
+directory, and data parallelism under torchrun. What differs between model kinds
+(transformer, gpt, bert-mlm, clip: data, model, batch, loss, evaluation) is one object per
+kind in ``qkv.train.kinds`` (``get_kind(name)``), which the trainer calls.
 
 Public names: ``Trainer``, ``TrainConfig``, ``TrainingError``, ``load_run``,
 ``find_checkpoint``, ``save_checkpoint``, ``load_trainer_state``, ``lr_multiplier``,

@@ -12,6 +12,7 @@ A run directory written by ``qkv train --out RUN``::
         adapter_config.json,             the adapter only (``qkv.peft.load_adapter``), and
         adapter_model.safetensors, base.json  the base it adapts: {path, sha256 of weights}
         tokenizer.json                   the ``qkv.data`` tokenizer
+        (kind's own JSON files)          e.g. clip: preprocessor_config.json (images)
         run.json                         a copy of the training configuration
         trainer_state.json               step, data position, optimizer hyper-parameters
         trainer_state.safetensors        optimizer moments, RNG state
@@ -37,8 +38,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..models import BERT, GPT, CheckpointError, Transformer
+from ..models import CheckpointError
 from ..models.hub import atomic_write, read_json
+from .kinds import get_kind, model_classes
 
 __all__ = ["CHECKPOINT_DIR", "MODEL_CLASSES", "OLD_DIR", "TMP_DIR", "find_checkpoint", "load_run",
            "load_trainer_state", "read_run_info", "save_checkpoint", "trained_on_pairs"]
@@ -48,9 +50,8 @@ TMP_DIR, OLD_DIR = "checkpoint.tmp", "checkpoint.old"
 _TMP, _OLD = TMP_DIR, OLD_DIR
 STATE_JSON, STATE_TENSORS = "trainer_state.json", "trainer_state.safetensors"
 
-#: config.json ``model_type`` -> model class
-MODEL_CLASSES: dict[str, type[nn.Module]] = {
-    "qkv-transformer": Transformer, "qkv-gpt": GPT, "qkv-bert": BERT}
+#: config.json ``model_type`` -> model class, of every model kind (``qkv.train.kinds``)
+MODEL_CLASSES: dict[str, type[nn.Module]] = model_classes()
 
 
 def _fsync(path: Path) -> None:
@@ -93,7 +94,8 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
 
 def save_checkpoint(run_dir: str | os.PathLike, *, model: nn.Module, tokenizer: Any,
                     optimizer: torch.optim.Optimizer, step: int, run_info: dict[str, Any],
-                    data_position: int, base: dict[str, str] | None = None) -> Path:
+                    data_position: int, base: dict[str, str] | None = None,
+                    extra_files: dict[str, Any] | None = None) -> Path:
     """Write a complete checkpoint of a run at optimizer step ``step`` and swap it in
     atomically (see the module docstring). Returns the checkpoint directory.
 
@@ -102,6 +104,8 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model: nn.Module, tokenizer: 
     training examples consumed so far (documentation: batches are a function of the step).
     ``base``: for a run that trains an adapter, base.json's ``{"path", "sha256"}``; then only
     the active adapter is saved (``qkv.peft.save_adapter``), never the base weights.
+    ``extra_files``: more JSON files (name -> content) the model kind keeps beside the model
+    (``ModelKind.checkpoint_files``).
     """
     run_dir = Path(run_dir)
     model = getattr(model, "module", model)
@@ -117,6 +121,8 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model: nn.Module, tokenizer: 
         save_adapter(model, tmp)
         _write_json(tmp / "base.json", base)
     tokenizer.save(tmp / "tokenizer.json")
+    for name, content in (extra_files or {}).items():
+        _write_json(tmp / name, content)
     _write_json(tmp / "run.json", run_info)
     tensors, opt_json = _optimizer_tensors(optimizer)
     tensors["rng.torch"] = torch.get_rng_state()
@@ -162,10 +168,11 @@ def load_run(path: str | os.PathLike) -> tuple[nn.Module, Any]:
     """Load a run directory (or a checkpoint directory) written by ``qkv train``.
 
     Returns:
-        ``(model, tokenizer)``: the model (``Transformer``, ``GPT`` or ``BERT``, chosen by
-        config.json's ``model_type``) in eval mode, and the ``qkv.data`` tokenizer. For a
-        run that trained an adapter (``TrainConfig.peft``): its base (base.json) with the
-        adapter attached and active (``qkv.peft``; ``disable_adapters`` gives the base).
+        ``(model, tokenizer)``: the model (``Transformer``, ``GPT``, ``BERT`` or ``CLIP``,
+        chosen by config.json's ``model_type``: ``MODEL_CLASSES``) in eval mode, and the
+        ``qkv.data`` tokenizer. For a run that trained an adapter (``TrainConfig.peft``):
+        its base (base.json) with the adapter attached and active (``qkv.peft``;
+        ``disable_adapters`` gives the base).
 
     Raises:
         CheckpointError: no checkpoint, an unknown model type, or missing/mismatched files;
@@ -208,7 +215,13 @@ def trained_on_pairs(info: dict[str, Any]) -> bool:
     """Whether a run (its ``read_run_info``) trained on source/target pairs — an embedded
     task, or a TSV for an encoder-decoder — so a GPT reads bos + prompt + eos and answers up
     to eos. False for plain-text runs and for checkpoints without run.json."""
-    return info.get("task") is not None or info.get("model") == "transformer"
+    if info.get("task") is not None:
+        return True
+    try:
+        kind = get_kind(info.get("model"))
+    except ValueError:  # no run.json, or a kind this qkv does not know
+        return False
+    return bool(getattr(kind, "reads_pairs_file", False))
 
 
 def load_trainer_state(checkpoint: str | os.PathLike,

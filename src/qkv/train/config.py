@@ -7,7 +7,7 @@ import dataclasses
 import math
 from typing import Any
 
-from .data import MODEL_KINDS
+from .kinds import KINDS, get_kind
 from .schedules import SCHEDULES
 
 __all__ = ["BPE_MIN_VOCAB", "DEFAULT_PRESETS", "SEED_MAX", "TOKENIZERS", "ConfigError",
@@ -57,8 +57,8 @@ def _range_text(low: float, high: float | None, low_open: bool, high_open: bool)
     if high is None:
         return f"{'>' if low_open else '>='} {low:g}"
     return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-#: the model preset used when ``preset`` is None
-DEFAULT_PRESETS = {"transformer": "transformer-tiny", "gpt": "gpt-tiny", "bert-mlm": "bert-tiny"}
+#: the model preset used when ``preset`` is None, per model kind (``qkv.train.kinds``)
+DEFAULT_PRESETS = {name: kind.default_preset for name, kind in KINDS.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,12 +67,17 @@ class TrainConfig:
 
     Args:
         model: "transformer" (encoder-decoder on pairs), "gpt" (language model; pairs become
-            bos + source + eos + target + eos) or "bert-mlm" (masked language model).
+            bos + source + eos + target + eos), "bert-mlm" (masked language model) or
+            "clip" (contrastive image-text model on image-caption pairs); each is a model
+            kind of ``qkv.train.kinds`` (``MODEL_KINDS``).
         preset: the model config preset (default per model: ``DEFAULT_PRESETS``);
         overrides: model config fields by name (``--set dim=256``), applied after the
             vocabulary size and context length qkv derives from the data.
-        task: an embedded generated task ("dates", "copy", "reverse", "sort", "addition"), or
-        data: a file: TSV source<TAB>target pairs, or plain text (gpt / bert-mlm only).
+        task: an embedded generated task ("dates", "copy", "reverse", "sort", "addition",
+            "dates-long"; "shapes": synthetic image-caption pairs, clip only — clip trains
+            on no text task), or
+        data: a file: TSV source<TAB>target pairs, or plain text (gpt / bert-mlm only); for
+            clip a folder of images with captions.tsv (``qkv.data.ImageFolderDataset``).
         tokenizer: "char" or "bpe" (trained on the data with the ``tokenizers`` library,
             ``bpe_vocab_size`` entries).
         steps: optimizer steps of the whole run. batch_size: examples per step (global,
@@ -80,11 +85,12 @@ class TrainConfig:
         lr: peak learning rate; schedule "inverse_sqrt" (the paper's), "cosine" or
             "constant", after ``warmup`` linear warm-up steps; ``min_lr_ratio``: cosine's end.
         weight_decay, betas, adam_eps: AdamW (decay not applied to biases, norms, embeddings).
-        label_smoothing: the paper's 0.1 by default. clip_norm: global grad-norm clip (0: off).
+        label_smoothing: the paper's 0.1 by default (token kinds; clip's contrastive loss
+            has none). clip_norm: global grad-norm clip (0: off).
         eval_every: steps between evaluations (and checkpoints); eval_examples: held-out
             examples per evaluation.
-        max_len: longest sequence in tokens (text windows for language models); None: derived
-            from the task or file.
+        max_len: longest sequence in tokens (text windows for language models; clip: the
+            text tower's context); None: derived from the task or file.
         seed: model initialisation, dropout, data order and MLM corruption; 0..``SEED_MAX``.
         data_fingerprint: ``{"size": bytes, "sha256": hex}`` of ``data``, recorded by the
             ``Trainer`` when the run starts so that a resume notices a changed file (None for
@@ -100,7 +106,7 @@ class TrainConfig:
             fields}``, ``{"kind": "adapters", **AdapterConfig fields}`` or ``{"kind":
             "prefix", **PrefixConfig fields}`` (``qkv.peft``); stored with every field
             spelled out. Needs ``init_from`` (a frozen random model has nothing to adapt).
-            None with ``init_from``: full fine-tuning.
+            None with ``init_from``: full fine-tuning. (Neither works with clip yet.)
 
     Every number is checked when the config is made (finite, in range, the right type);
     ``ConfigError`` (a ``ValueError``) names the field and its value.
@@ -136,8 +142,8 @@ class TrainConfig:
         def bad(name: str, what: str) -> ConfigError:
             return ConfigError(name, f"{name} must be {what}, got {getattr(self, name)!r}")
 
-        if self.model not in MODEL_KINDS:
-            raise bad("model", f"one of {MODEL_KINDS}")
+        if self.model not in KINDS:
+            raise bad("model", f"one of {tuple(KINDS)}")
         if (self.task is None) == (self.data is None):
             raise ConfigError("task", "give exactly one of a task (--task) or a data file "
                                       "(--data)")
@@ -178,6 +184,7 @@ class TrainConfig:
                 and isinstance(fp["sha256"], str) and len(fp["sha256"]) == 64):
             raise bad("data_fingerprint", 'None or {"size": bytes, "sha256": 64 hex digits}')
         self._check_finetune()
+        get_kind(self.model).check_config(self)  # e.g. a task of another kind
 
     def _check_finetune(self) -> None:
         if self.init_from is not None and (not isinstance(self.init_from, str)
@@ -205,7 +212,7 @@ class TrainConfig:
     @property
     def model_preset(self) -> str:
         """``preset``, or the model kind's default."""
-        return self.preset or DEFAULT_PRESETS[self.model]
+        return self.preset or get_kind(self.model).default_preset
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (run.json)."""

@@ -1,5 +1,5 @@
-"""Training data for ``qkv train``: where examples come from and how a batch is built for
-each model kind.
+"""Training data for ``qkv train``: where examples of the token kinds come from, and
+``make_batch``, which asks the model kind (``qkv.train.kinds``) to build a batch.
 
 Sources: an embedded generated task (``qkv.data.get_task``: dates, copy, reverse, sort,
 addition), a TSV file of source/target pairs, or a plain-text file (language models).
@@ -7,7 +7,9 @@ Every batch is a pure function of the optimizer step (tasks are counter-based; f
 shuffled per epoch with a generator seeded by (seed, epoch)), so the data position of a
 resumed run is its step.
 
-Batch layouts (B batch, S source length, N target/sequence length):
+Batch layouts (B batch, S source length, N target/sequence length), each built in its kind's
+file (``qkv/train/kinds/transformer.py``, ``gpt.py``, ``bert_mlm.py``; clip's image-caption
+batches in ``kinds/clip.py``):
 - transformer: ``src`` (B, S) = source + eos, right-padded; ``tgt_in`` (B, N) = bos + target;
   ``tgt_out`` (B, N) = target + eos, padding = -100 (ignored by the loss).
 - gpt: one sequence per pair, bos + source + eos + target + eos, right-padded; the loss
@@ -28,13 +30,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..data.tokenizer import SPECIALS
-
-__all__ = ["IGNORE", "MODEL_KINDS", "PairData", "TextData", "gpt_prompts", "make_batch"]
+#: (``MODEL_KINDS``, the registered kinds' names, is read from ``qkv.train.kinds`` on access)
+__all__ = ["IGNORE", "PairData", "TextData", "derived_seed", "epoch_indices", "gpt_prompts",
+           "make_batch", "pad_rows"]
 
 IGNORE = -100
-MODEL_KINDS = ("transformer", "gpt", "bert-mlm")
-MLM_FRACTION = 0.15
 
 
 @dataclass
@@ -67,7 +67,7 @@ class PairData:
         """Training pairs ``start .. start + count - 1`` (an endless, deterministic stream)."""
         if self.task is not None:
             return self.task.examples("train", start, count)
-        return [self.pairs[i] for i in _epoch_indices(len(self.pairs), start, count, self.seed)]
+        return [self.pairs[i] for i in epoch_indices(len(self.pairs), start, count, self.seed)]
 
     def heldout(self, count: int) -> list[tuple[str, str]]:
         """The first ``count`` held-out pairs (fewer if a file holds fewer)."""
@@ -108,7 +108,7 @@ class TextData:
     def train(self, start: int, count: int) -> Tensor:
         """Windows ``start .. start + count - 1``: (count, window + 1) token ids."""
         n_windows = (len(self.ids) - 1) // self.window
-        idx = _epoch_indices(n_windows, start, count, self.seed)
+        idx = epoch_indices(n_windows, start, count, self.seed)
         return self._windows(self.ids, [i * self.window for i in idx])
 
     def heldout(self, count: int) -> Tensor:
@@ -117,13 +117,13 @@ class TextData:
         return self._windows(self.held, [i * self.window for i in range(n)])
 
 
-def _derived_seed(seed: int, k: int) -> int:
+def derived_seed(seed: int, k: int) -> int:
     """The generator seed of item ``k`` (an epoch, a step) of a run seeded ``seed``, wrapped
     into torch's 64-bit seed range (unchanged for every seed where it did not overflow)."""
     return (seed * 1_000_003 + k) % 2**64
 
 
-def _epoch_indices(n: int, start: int, count: int, seed: int) -> list[int]:
+def epoch_indices(n: int, start: int, count: int, seed: int) -> list[int]:
     """Items ``start .. start + count - 1`` of the concatenation of per-epoch permutations of
     range(n), epoch e shuffled by a generator seeded with (seed, e)."""
     out: list[int] = []
@@ -131,15 +131,10 @@ def _epoch_indices(n: int, start: int, count: int, seed: int) -> list[int]:
     for pos in range(start, start + count):
         epoch, i = divmod(pos, n)
         if epoch not in perms:
-            g = torch.Generator().manual_seed(_derived_seed(seed, epoch))
+            g = torch.Generator().manual_seed(derived_seed(seed, epoch))
             perms[epoch] = torch.randperm(n, generator=g).tolist()
         out.append(perms[epoch][i])
     return out
-
-
-def _pad(rows: list[list[int]], value: int) -> Tensor:
-    width = max(len(r) for r in rows)
-    return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
 def gpt_prompts(sources: list[str], tokenizer: Any) -> list[list[int]]:
@@ -147,63 +142,37 @@ def gpt_prompts(sources: list[str], tokenizer: Any) -> list[list[int]]:
     return [[tokenizer.bos_id, *tokenizer.encode(s), tokenizer.eos_id] for s in sources]
 
 
+def pad_rows(rows: list[list[int]], value: int) -> Tensor:
+    """Token rows right-padded with ``value`` to the longest: (B, N) int64."""
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
 def make_batch(kind: str, items: Any, tokenizer: Any, *, step: int = 0,
                seed: int = 0) -> dict[str, Tensor]:
-    """Tensors of one batch for model kind ``kind`` (see the module docstring).
+    """Tensors of one batch for model kind ``kind`` (see the module docstring and
+    ``qkv.train.kinds``: ``get_kind(kind).make_batch``).
 
     Args:
-        items: a list of (source, target) pairs, or (B, W + 1) token windows of a TextData.
+        items: a list of (source, target) pairs, or (B, W + 1) token windows of a TextData
+            (for clip: images and captions, ``qkv.train.kinds.clip``).
         step, seed: seed the MLM corruption (bert-mlm), so a batch depends only on them.
 
     Returns:
         transformer: src, tgt_in, tgt_out; gpt: ids, targets; bert-mlm: ids,
         attention_mask, labels. Targets/labels use -100 for positions without a loss.
+
+    Raises:
+        ValueError: an unknown ``kind``.
     """
-    pad, bos, eos = tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id
-    if isinstance(items, Tensor):  # text windows of W + 1 tokens
-        if kind == "gpt":
-            return {"ids": items[:, :-1].contiguous(), "targets": items[:, 1:].contiguous()}
-        rows = [r.tolist() for r in items[:, :-1]]  # bert-mlm: W tokens (its max_len)
-    elif kind == "transformer":
-        src = [[*tokenizer.encode(s), eos] for s, _ in items]
-        tgt = [tokenizer.encode(t) for _, t in items]
-        return {"src": _pad(src, pad), "tgt_in": _pad([[bos, *t] for t in tgt], pad),
-                "tgt_out": _pad([[*t, eos] for t in tgt], IGNORE)}
-    elif kind == "gpt":
-        prompts = gpt_prompts([s for s, _ in items], tokenizer)
-        answers = [[*tokenizer.encode(t), eos] for _, t in items]
-        seqs = [p + a for p, a in zip(prompts, answers, strict=True)]
-        targets = [[IGNORE] * (len(p) - 1) + a + [IGNORE]
-                   for p, a in zip(prompts, answers, strict=True)]
-        return {"ids": _pad([s[:-1] for s in seqs], pad), "targets": _pad(
-            [t[:-1] for t in targets], IGNORE)}
-    else:
-        rows = [[bos, *tokenizer.encode(f"{s} {t}"), eos] for s, t in items]
-    if kind != "bert-mlm":
-        raise ValueError(f"model kind must be one of {MODEL_KINDS}, got {kind!r}")
-    return _mlm_batch(rows, tokenizer, step=step, seed=seed)
+    from .kinds import get_kind
+
+    return get_kind(kind).make_batch(items, tokenizer, step=step, seed=seed)
 
 
-def _mlm_batch(rows: list[list[int]], tokenizer: Any, *, step: int, seed: int
-               ) -> dict[str, Tensor]:
-    ids = _pad(rows, tokenizer.pad_id)  # (B, N)
-    keep = ids != tokenizer.pad_id
-    special = keep & ((ids == tokenizer.bos_id) | (ids == tokenizer.eos_id))
-    g = torch.Generator().manual_seed(_derived_seed(seed, step))
-    chosen = (torch.rand(ids.shape, generator=g) < MLM_FRACTION) & keep & ~special
-    # every row predicts at least one token (its first real non-special one if none chosen)
-    candidates = keep & ~special
-    none = ~chosen.any(dim=1) & candidates.any(dim=1)
-    first = candidates.float().argmax(dim=1)
-    chosen[none, first[none]] = True
-    labels = torch.where(chosen, ids, torch.full_like(ids, IGNORE))
-    roll = torch.rand(ids.shape, generator=g)
-    random_ids = torch.randint(len(SPECIALS), tokenizer.vocab_size, ids.shape, generator=g)
-    corrupted = torch.where(chosen & (roll < 0.8), torch.full_like(ids, _mask_id(tokenizer)), ids)
-    corrupted = torch.where(chosen & (roll >= 0.8) & (roll < 0.9), random_ids, corrupted)
-    return {"ids": corrupted, "attention_mask": keep, "labels": labels}
+def __getattr__(name: str) -> Any:
+    if name == "MODEL_KINDS":  # the registry's, read when asked (it imports this module)
+        from .kinds import MODEL_KINDS
 
-
-def _mask_id(tokenizer: Any) -> int:
-    """The MLM mask token: the tokenizer's ``mask_id`` if it has one, else ``unk_id``."""
-    return getattr(tokenizer, "mask_id", tokenizer.unk_id)
+        return MODEL_KINDS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,22 +31,21 @@ from typing import Any
 
 from torch import nn
 
-from ..models import BERT, GPT, CheckpointError, Transformer
+from ..models import CheckpointError
 from ..models.hub import read_json
 from .checkpoint import MODEL_CLASSES, find_checkpoint
+from .kinds import get_kind, kind_of_model, kind_of_model_type
 from .rundir import file_fingerprint
-from .setup import DEFAULT_TEXT_WINDOW, _data, _max_len, _read
+from .setup import DEFAULT_TEXT_WINDOW, _data, _max_len, _read, trains_on_pairs
 
 __all__ = ["BASE_JSON", "PEFT_KINDS", "BaseModel", "attach_peft", "base_model_kind",
            "check_base", "is_adapter_checkpoint", "load_adapter_run", "load_base",
-           "peft_config", "prepare_base_data"]
+           "peft_config", "prepare_base_data", "prepare_token_base_data"]
 
 BASE_JSON = "base.json"
 ADAPTER_CONFIG = "adapter_config.json"
 #: ``peft["kind"]`` -> the ``qkv.peft`` config class name
 PEFT_KINDS = ("lora", "adapters", "prefix")
-#: qkv model class -> the ``TrainConfig.model`` kind that trains it
-_KIND_OF = ((Transformer, "transformer"), (GPT, "gpt"), (BERT, "bert-mlm"))
 
 
 def peft_config(spec: Any) -> tuple[str, Any]:
@@ -96,11 +95,8 @@ def attach_peft(model: nn.Module, spec: dict[str, Any]) -> nn.Module:
 
 
 def model_kind(model: nn.Module) -> str:
-    """The ``TrainConfig.model`` kind of a qkv model."""
-    for cls, kind in _KIND_OF:
-        if isinstance(model, cls):
-            return kind
-    raise ValueError(f"not a qkv Transformer, GPT or BERT: {type(model).__name__}")
+    """The ``TrainConfig.model`` kind of a qkv model (``qkv.train.kinds.kind_of_model``)."""
+    return kind_of_model(model).name
 
 
 def is_adapter_checkpoint(ckpt: str | os.PathLike) -> bool:
@@ -194,18 +190,16 @@ def base_model_kind(init_from: str | os.PathLike) -> str:
     """The ``TrainConfig.model`` kind of a base directory, read from its config.json
     (``CheckpointError`` when it is not a base ``load_base`` takes)."""
     data = read_json(_base_dir(init_from) / "config.json")
-    kinds = {"qkv-transformer": "transformer", "qkv-gpt": "gpt", "qkv-bert": "bert-mlm",
-             "gpt2": "gpt", "bert": "bert-mlm"}
-    kind = kinds.get(data.get("model_type"))
+    kind = kind_of_model_type(data.get("model_type"))
     if kind is None:
         raise CheckpointError(f"--init-from {init_from}: model_type {data.get('model_type')!r} "
                               f"is neither a qkv model nor HF gpt2 / bert")
-    return kind
+    return kind.name
 
 
 def load_base(init_from: str | os.PathLike, want: str) -> BaseModel:
     """Load the base of a fine-tuning run and check that it is a ``want`` model
-    ("transformer", "gpt", "bert-mlm").
+    ("transformer", "gpt", "bert-mlm"), and one that kind can train (``check_base``).
 
     Raises:
         CheckpointError / ValueError: no base there, an adapter run, no model.safetensors or
@@ -219,9 +213,7 @@ def load_base(init_from: str | os.PathLike, want: str) -> BaseModel:
     if kind != want:
         raise ValueError(f"--model {want} does not match the base {init_from}, a "
                          f"{type(model).__name__} (--model {kind})")
-    if kind == "bert-mlm" and not getattr(model.config, "with_mlm_head", True):
-        raise ValueError(f"--init-from {init_from}: this BERT has no masked-LM head "
-                         f"(with_mlm_head false), which bert-mlm training needs")
+    get_kind(kind).check_base(model, init_from)
     return BaseModel(model, _load_tokenizer(ckpt), ckpt, sha)
 
 
@@ -259,7 +251,14 @@ def _check_encodable(config: Any, raw: Any, tokenizer: Any, base: str) -> None:
 def prepare_base_data(config: Any, tokenizer: Any, base_max_len: int | None
                       ) -> tuple[Any, int, int]:
     """(data, the model's context length, the longest sequence of a step) of a run that
-    starts from a base with ``tokenizer`` and context length ``base_max_len``.
+    starts from a base with ``tokenizer`` and context length ``base_max_len`` — as
+    ``config.model``'s kind prepares it (``ModelKind.prepare_base_data``)."""
+    return get_kind(config.model).prepare_base_data(config, tokenizer, base_max_len)
+
+
+def prepare_token_base_data(config: Any, kind: Any, tokenizer: Any, base_max_len: int | None
+                            ) -> tuple[Any, int, int]:
+    """``prepare_base_data`` of a token kind (``qkv.train.kinds.TokenKind``).
 
     ``config.max_len``, when given, must be at most the base's: for plain text it is the
     window (default: the base's max_len, at most ``DEFAULT_TEXT_WINDOW``), for pairs a bound
@@ -274,19 +273,18 @@ def prepare_base_data(config: Any, tokenizer: Any, base_max_len: int | None
     if config.max_len is not None and config.max_len > limit:
         raise ValueError(f"max_len={config.max_len} is beyond the base's max_len={limit} "
                          f"({base}); the base fixes the context length")
-    raw, _ = _read(config)
+    raw, _ = _read(config, kind)
     _check_encodable(config, raw, tokenizer, base)
-    pairs = config.task is not None or config.model == "transformer"
-    if pairs:
-        need, _ = _max_len(dataclasses.replace(config, max_len=None), raw, tokenizer)
+    if trains_on_pairs(config, kind):
+        need, _ = _max_len(dataclasses.replace(config, max_len=None), kind, raw, tokenizer)
         if need > limit:
             what = f"--task {config.task}" if config.task else f"--data {config.data}"
             raise ValueError(f"{what}: the longest example needs {need} tokens with its "
                              f"special tokens, beyond the base's max_len={limit} ({base})")
-        _max_len(config, raw, tokenizer)  # a given max_len must hold the data too
-        return _data(config, raw, tokenizer, None), limit, need
+        _max_len(config, kind, raw, tokenizer)  # a given max_len must hold the data too
+        return _data(config, kind, raw, tokenizer, None), limit, need
     window = config.max_len or min(DEFAULT_TEXT_WINDOW, limit)
-    return _data(config, raw, tokenizer, window), limit, window
+    return _data(config, kind, raw, tokenizer, window), limit, window
 
 
 def check_base(ckpt: str | os.PathLike) -> dict[str, str]:

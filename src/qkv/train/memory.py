@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MemoryEstimate", "available_bytes", "check_training_fits", "estimate_training_bytes",
-           "format_bytes"]
+__all__ = ["MemoryEstimate", "available_bytes", "check_estimate_fits", "check_training_fits",
+           "estimate_stacks_bytes", "estimate_training_bytes", "format_bytes"]
 
 FP32 = 4
 
@@ -87,20 +87,44 @@ def estimate_training_bytes(model: nn.Module, *, batch_size: int, seq_len: int,
     """
     from ..modules.positions import Sinusoidal
 
-    params = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     tables = sum(24 * m.max_len * m.dim for m in model.modules()
                  if isinstance(m, Sinusoidal) and m.max_len is not None)
     dim, ffn, heads, layers, vocab = _widths(model.config)
     b, n = int(batch_size), int(seq_len)
     return MemoryEstimate(
-        parameters=FP32 * params + 3 * FP32 * trainable + buffers,
+        parameters=_parameter_bytes(model),
         tables=tables,
         activations=FP32 * layers * b * n * (10 * dim + 2 * ffn),
         scores=FP32 * b * heads * n * n,
         logits=2 * FP32 * b * n * vocab,
         evaluation=int(eval_examples) * (200 + 2 * n))
+
+
+def _parameter_bytes(model: nn.Module) -> int:
+    params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return FP32 * params + 3 * FP32 * trainable + buffers
+
+
+def estimate_stacks_bytes(model: nn.Module, *, batch_size: int,
+                          stacks: list[tuple[int, int, int, int, int]], output_numbers: int,
+                          input_numbers: int = 0, eval_bytes: int = 0) -> MemoryEstimate:
+    """The estimate of the module docstring for a model of several layer stacks (e.g.
+    CLIP's image and text towers), each ``(C, F, H, L, N)``: width, feed-forward width,
+    heads, layers and tokens per example. ``output_numbers``: the output (and its
+    gradient) in numbers, for the whole batch; ``input_numbers``: the batch's input
+    numbers (e.g. pixels) kept for the step; ``eval_bytes``: what an evaluation holds.
+    The attention scores are those of the largest stack's layer (one alive at a time)."""
+    b = int(batch_size)
+    return MemoryEstimate(
+        parameters=_parameter_bytes(model),
+        tables=0,
+        activations=sum(FP32 * layers * b * n * (10 * dim + 2 * ffn)
+                        for dim, ffn, _, layers, n in stacks) + FP32 * int(input_numbers),
+        scores=max(FP32 * b * heads * n * n for _, _, heads, _, n in stacks),
+        logits=FP32 * int(output_numbers),
+        evaluation=int(eval_bytes))
 
 
 def available_bytes(device: torch.device | None = None) -> int | None:
@@ -133,6 +157,16 @@ def check_training_fits(model: nn.Module, *, batch_size: int, seq_len: int,
     memory is unknown)."""
     est = estimate_training_bytes(model, batch_size=batch_size, seq_len=seq_len,
                                   eval_examples=eval_examples)
+    return check_estimate_fits(est, batch_size=batch_size, seq_len=seq_len, device=device,
+                               what=what)
+
+
+def check_estimate_fits(est: MemoryEstimate, *, batch_size: int, seq_len: int,
+                        device: torch.device | None = None,
+                        what: str = "this run") -> MemoryEstimate:
+    """Raise ``ValueError`` (with the numbers) when the estimate ``est`` of a step of
+    ``batch_size`` examples of up to ``seq_len`` tokens exceeds ``available_bytes(device)``;
+    returns ``est`` otherwise (also when the available memory is unknown)."""
     have = available_bytes(device)
     if have is None or est.total <= have:
         return est

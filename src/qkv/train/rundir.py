@@ -40,7 +40,9 @@ try:  # POSIX
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["LOCK_NAME", "RunDirBusyError", "RunDirLock", "file_fingerprint", "lock_holder"]
+__all__ = ["LOCK_NAME", "RunDirBusyError", "RunDirLock", "check_checkpoint_agrees",
+           "file_fingerprint", "lock_holder", "never_saved", "refuse_existing",
+           "resume_checkpoint"]
 
 LOCK_NAME = ".lock"
 
@@ -186,3 +188,77 @@ def file_fingerprint(path: str | os.PathLike) -> dict[str, Any]:
             digest.update(block)
             size += len(block)
     return {"size": size, "sha256": digest.hexdigest()}
+
+
+def never_saved(out: Path) -> bool:
+    """A run directory whose run stopped before its first checkpoint: no checkpoint, no
+    evaluation logged. Such a run has nothing to resume, so a new run may start over in it."""
+    from .checkpoint import find_checkpoint
+    from .metrics import METRICS, last_evaluation
+
+    try:
+        find_checkpoint(out)
+        return False
+    except CheckpointError:
+        pass
+    return last_evaluation(out / METRICS) is None
+
+
+def refuse_existing(out: Path) -> None:
+    """Raise: ``out`` holds a run (``RunDirBusyError`` when a process is writing it now)."""
+    busy = lock_holder(out)
+    if busy is not None:
+        raise RunDirBusyError(busy.busy_message())
+    raise ValueError(f"{out} already holds a run; continue it with qkv train --resume {out}, "
+                     f"or choose another directory")
+
+
+#: run.json fields that may differ from the checkpoint's copy: ``--resume --steps M`` rewrites
+#: steps, and ``--accept-changed-data`` the data fingerprint, before the next checkpoint
+_MAY_DIFFER = ("steps", "data_fingerprint")
+
+
+def check_checkpoint_agrees(out: Path, ckpt: Path, config: Any) -> None:
+    """Refuse a run.json that disagrees with the checkpoint's copy (an edited run.json would
+    build the wrong model or loss) — before anything is written."""
+    from ..models.hub import read_json
+    from .config import TrainConfig
+
+    path = ckpt / "run.json"
+    if not path.is_file():  # not written by qkv train: nothing to compare
+        return
+    try:
+        saved = TrainConfig.from_dict(read_json(path)).to_dict()
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: not a valid training configuration: {exc}") from exc
+    ours = config.to_dict()
+    diff = [f"{k}: {ours[k]!r} vs {saved[k]!r}" for k in sorted(ours)
+            if k not in _MAY_DIFFER and ours[k] != saved[k]]
+    if diff:
+        raise CheckpointError(
+            f"{out / 'run.json'} disagrees with {path} ({'; '.join(diff)}): run.json was edited "
+            f"after the checkpoint was written; a resume continues the checkpoint's settings "
+            f"(only --steps may change): restore run.json from {path}")
+
+
+def resume_checkpoint(out: Path, eval_every: int) -> Path:
+    """The checkpoint a resume of the run in ``out`` continues; ``CheckpointError`` telling a
+    checkpoint deleted since (metrics.jsonl records a save) from one never written (the run
+    stopped before its first save, one every ``eval_every`` steps)."""
+    from .checkpoint import CHECKPOINT_DIR, find_checkpoint
+    from .metrics import METRICS, last_evaluation
+
+    try:
+        return find_checkpoint(out)
+    except CheckpointError:
+        if not (out / "run.json").exists():
+            raise
+    saved = last_evaluation(out / METRICS)
+    if saved is not None:
+        raise CheckpointError(
+            f"{out} has no checkpoint, although {METRICS} records one saved at step "
+            f"{saved}: {out / CHECKPOINT_DIR} was deleted or moved; put it back to resume")
+    raise CheckpointError(
+        f"{out} has no checkpoint yet: the run stopped before its first save (one every "
+        f"eval_every={eval_every} steps); start it again with the same settings and --out "
+        f"(it starts over), or choose another directory")

@@ -1,44 +1,74 @@
 """From a ``TrainConfig`` to data and a tokenizer: the embedded task or the user's file, a
-character or BPE tokenizer fitted to it, and the context length the model needs."""
+character or BPE tokenizer fitted to it, and the context length the model needs.
+
+``prepare_data`` / ``load_data`` ask the run's model kind (``qkv.train.kinds``); the token
+kinds (transformer, gpt, bert-mlm) call the shared ``prepare_token_data`` /
+``load_token_data`` here with themselves as ``kind``: what differs between them is whether
+a ``--data`` file holds pairs (``kind.reads_pairs_file``) and how many tokens a pair needs
+with its special tokens (``kind.pair_tokens(source, target)``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .config import TrainConfig
 from .data import PairData, TextData
 
-__all__ = ["DEFAULT_TEXT_WINDOW", "check_model_fits_data", "load_data", "prepare_data"]
+if TYPE_CHECKING:
+    from .config import TrainConfig
+
+__all__ = ["DEFAULT_TEXT_WINDOW", "check_model_fits_data", "load_data", "load_token_data",
+           "prepare_data", "prepare_token_data", "trains_on_pairs"]
 
 #: tokens per training window of a plain-text file when ``max_len`` is not given
 DEFAULT_TEXT_WINDOW = 128
 
 
-def _is_pairs(config: TrainConfig) -> bool:
-    return config.task is not None or config.model == "transformer"
+def trains_on_pairs(config: TrainConfig, kind: Any) -> bool:
+    """Whether a token kind's run trains on source/target pairs: an embedded task, or a
+    ``--data`` file of a kind that reads pairs files (else the file is plain text)."""
+    return config.task is not None or bool(kind.reads_pairs_file)
 
 
-def _read(config: TrainConfig) -> tuple[Any, list[str]]:
+def _read(config: TrainConfig, kind: Any) -> tuple[Any, list[str]]:
     """The raw source (a Task, a list of pairs or a text) and texts to fit a tokenizer on."""
     from ..data import get_task, read_pairs, read_text
 
     if config.task is not None:
         task = get_task(config.task, seed=config.seed)
         return task, []
-    if config.model == "transformer":
+    if kind.reads_pairs_file:
         pairs = read_pairs(config.data)
         return pairs, [t for pair in pairs for t in pair]
     text = read_text(config.data)
     return text, [text]
 
 
-def prepare_data(config: TrainConfig) -> tuple[PairData | TextData, Any, int, int]:
+def prepare_data(config: TrainConfig) -> tuple[Any, Any, int, int]:
     """Data, a new tokenizer fitted to it, the context length (tokens) of the model, and the
-    longest sequence a training step holds (tokens; at most the context length)."""
+    longest sequence a training step holds — of ``config.model``'s kind."""
+    from .kinds import get_kind
+
+    return get_kind(config.model).prepare_data(config)
+
+
+def load_data(config: TrainConfig, tokenizer: Any, max_len: int) -> Any:
+    """The data of a run being resumed (``config.model``'s kind), with its saved tokenizer
+    and context length."""
+    from .kinds import get_kind
+
+    return get_kind(config.model).load_data(config, tokenizer, max_len)
+
+
+def prepare_token_data(config: TrainConfig, kind: Any
+                       ) -> tuple[PairData | TextData, Any, int, int]:
+    """A token kind's new run: data, a new tokenizer fitted to it, the context length
+    (tokens) of the model, and the longest sequence a training step holds (tokens; at most
+    the context length)."""
     from ..data import BPETokenizer, CharTokenizer
 
-    raw, texts = _read(config)
+    raw, texts = _read(config, kind)
     if config.task is not None:
         texts = PairData(task=raw).texts() if config.tokenizer == "bpe" else []
     if config.tokenizer == "char":
@@ -46,31 +76,33 @@ def prepare_data(config: TrainConfig) -> tuple[PairData | TextData, Any, int, in
                      else CharTokenizer.from_texts(texts))
     else:
         tokenizer = BPETokenizer.train(texts, vocab_size=config.bpe_vocab_size)
-    need, max_len = _max_len(config, raw, tokenizer)
-    return _data(config, raw, tokenizer, None), tokenizer, max_len, need
+    need, max_len = _max_len(config, kind, raw, tokenizer)
+    return _data(config, kind, raw, tokenizer, None), tokenizer, max_len, need
 
 
-def load_data(config: TrainConfig, tokenizer: Any, max_len: int) -> PairData | TextData:
-    """The data of a run being resumed, with its saved tokenizer and context length.
+def load_token_data(config: TrainConfig, kind: Any, tokenizer: Any, max_len: int
+                    ) -> PairData | TextData:
+    """A token kind's data of a run being resumed, with its saved tokenizer and context
+    length.
 
     Raises:
         ValueError: a pairs file whose longest example no longer fits ``max_len`` (the file
             changed since the run began).
     """
-    raw, _ = _read(config)
-    if config.task is None and _is_pairs(config):
-        need, _ = _max_len(dataclasses.replace(config, max_len=None), raw, tokenizer)
+    raw, _ = _read(config, kind)
+    if config.task is None and trains_on_pairs(config, kind):
+        need, _ = _max_len(dataclasses.replace(config, max_len=None), kind, raw, tokenizer)
         if need > max_len:
             raise ValueError(f"--data {config.data}: its longest example needs {need} tokens "
                              f"with its special tokens, beyond the model's max_len={max_len} "
                              f"(the file changed since the run began); restore the file or "
                              f"start a new run on it")
-    return _data(config, raw, tokenizer, max_len)
+    return _data(config, kind, raw, tokenizer, max_len)
 
 
-def _max_len(config: TrainConfig, raw: Any, tokenizer: Any) -> tuple[int, int]:
+def _max_len(config: TrainConfig, kind: Any, raw: Any, tokenizer: Any) -> tuple[int, int]:
     """(tokens the longest example needs, the model's context length)."""
-    if not _is_pairs(config):
+    if not trains_on_pairs(config, kind):
         window = config.max_len or DEFAULT_TEXT_WINDOW
         return window, window
     if config.task is not None:  # characters bound tokens from above (char or BPE)
@@ -78,9 +110,7 @@ def _max_len(config: TrainConfig, raw: Any, tokenizer: Any) -> tuple[int, int]:
     else:
         src = max(len(tokenizer.encode(s)) for s, _ in raw)
         tgt = max(len(tokenizer.encode(t)) for _, t in raw)
-    # transformer: source + eos, bos + target; gpt: bos source eos target eos; bert: bos
-    # source " " target eos
-    need = max(src, tgt) + 2 if config.model == "transformer" else src + tgt + 3
+    need = kind.pair_tokens(src, tgt)  # with the kind's special tokens
     if config.max_len is not None and config.max_len < need:
         raise ValueError(f"max_len={config.max_len} is shorter than the longest example "
                          f"({need} tokens with its special tokens); raise --max-len or leave "
@@ -109,11 +139,11 @@ def check_model_fits_data(model_config: Any, tokenizer: Any, max_len: int) -> No
                          f"windows) instead")
 
 
-def _data(config: TrainConfig, raw: Any, tokenizer: Any, max_len: int | None
+def _data(config: TrainConfig, kind: Any, raw: Any, tokenizer: Any, max_len: int | None
           ) -> PairData | TextData:
     if config.task is not None:
         return PairData(task=raw, seed=config.seed)
-    if config.model == "transformer":
+    if kind.reads_pairs_file:
         return PairData.from_file(raw, seed=config.seed)
     window = max_len or config.max_len or DEFAULT_TEXT_WINDOW
     return TextData.from_ids(tokenizer.encode(raw), window=window, seed=config.seed)

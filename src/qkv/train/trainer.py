@@ -1,6 +1,7 @@
 """The training loop behind ``qkv train`` and ``qkv demo``.
 
-``Trainer(config, out_dir).run()`` trains a Transformer, GPT or BERT on a task or file, logs
+``Trainer(config, out_dir).run()`` trains a model of one of the kinds of ``qkv.train.kinds``
+(Transformer, GPT, BERT on a task or file; CLIP on image-caption pairs), logs
 each step to RUN/metrics.jsonl, evaluates and checkpoints every ``eval_every`` steps (see
 ``qkv.train.checkpoint`` for the run-directory layout), and stops with ``TrainingError`` on
 a non-finite loss or gradient. ``Trainer.resume(out_dir, steps=M)`` continues a run so that
@@ -10,6 +11,10 @@ A run directory has one writer at a time: the Trainer holds ``qkv.train.rundir.R
 from before its first write until ``run()`` ends. Everything that can be checked is checked
 before anything is written (settings, model config against tokenizer and data, memory,
 run.json against the checkpoint, the data file's fingerprint): a refusal leaves no trace.
+
+The trainer never asks which kind it trains: data, model, batch, loss, evaluation, memory
+estimate and what follows an optimizer step come from the kind object
+(``qkv.train.kinds.get_kind(config.model)``).
 """
 
 from __future__ import annotations
@@ -25,18 +30,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..models import BERT, GPT, BERTConfig, GPTConfig, Transformer, TransformerConfig
 from ..models.hub import CheckpointError, atomic_write, read_json
 from .checkpoint import (
-    CHECKPOINT_DIR,
     TMP_DIR,
-    find_checkpoint,
     load_run,
     load_trainer_state,
     save_checkpoint,
 )
 from .config import TrainConfig
-from .data import make_batch
 from .distributed import (
     all_reduce_sum,
     barrier,
@@ -45,17 +46,21 @@ from .distributed import (
     setup_world,
     teardown_world,
 )
-from .evaluate import evaluate
-from .finetune import BASE_JSON, attach_peft, check_base, load_base, prepare_base_data
-from .loss import token_loss
-from .memory import check_training_fits
-from .metrics import METRICS, NullLog, last_evaluation, truncate_metrics
-from .rundir import RunDirBusyError, RunDirLock, file_fingerprint, lock_holder
+from .finetune import BASE_JSON, attach_peft, check_base, load_base
+from .kinds import ModelKind, get_kind
+from .memory import check_estimate_fits
+from .metrics import METRICS, NullLog, truncate_metrics
+from .rundir import (
+    RunDirBusyError,
+    RunDirLock,
+    check_checkpoint_agrees,
+    never_saved,
+    refuse_existing,
+    resume_checkpoint,
+)
 from .schedules import lr_multiplier
-from .setup import check_model_fits_data, load_data, prepare_data
 
 __all__ = ["Trainer", "TrainingError", "build_model"]
-
 
 
 class TrainingError(RuntimeError):
@@ -64,33 +69,31 @@ class TrainingError(RuntimeError):
 
 
 class _Objective(nn.Module):
-    """The model plus its loss, so that DistributedDataParallel sees one forward.
-    ``forward(batch)`` returns (summed loss over predicted tokens, their count)."""
+    """The model plus its kind's loss, so that DistributedDataParallel sees one forward.
+    ``forward(batch)`` returns the kind's (summed loss, count)."""
 
-    def __init__(self, kind: str, model: nn.Module, label_smoothing: float) -> None:
+    def __init__(self, kind: ModelKind, model: nn.Module, label_smoothing: float) -> None:
         super().__init__()
         self.kind, self.model, self.label_smoothing = kind, model, label_smoothing
 
     def forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        loss, count, _, _ = token_loss(self.kind, self.model, batch,
-                                       label_smoothing=self.label_smoothing)
-        return loss, count
+        return self.kind.loss(self.model, batch, label_smoothing=self.label_smoothing)
+
+
+class _Vocabulary:
+    """What ``build_model`` knows of a tokenizer: its size and qkv's special ids."""
+
+    bos_id, eos_id, unk_id = 1, 2, 3
+
+    def __init__(self, vocab_size: int, pad_id: int) -> None:
+        self.vocab_size, self.pad_id = vocab_size, pad_id
 
 
 def build_model(config: TrainConfig, vocab_size: int, max_len: int, pad_id: int) -> nn.Module:
     """The model of a run: the config's preset, the vocabulary and context length derived
-    from the data, then the user's ``overrides``."""
-    base: dict[str, Any]
-    if config.model == "transformer":
-        base = dict(src_vocab_size=vocab_size, tgt_vocab_size=vocab_size, max_len=max_len,
-                    share_embeddings=True, pad_id=pad_id)
-        cfg = TransformerConfig.from_name(config.model_preset, **{**base, **config.overrides})
-        return Transformer(cfg)
-    if config.model == "gpt":
-        base = dict(vocab_size=vocab_size, max_len=max_len)
-        return GPT(GPTConfig.from_name(config.model_preset, **{**base, **config.overrides}))
-    base = dict(vocab_size=vocab_size, max_len=max_len, pad_token_id=pad_id, with_pooler=False)
-    return BERT(BERTConfig.from_name(config.model_preset, **{**base, **config.overrides}))
+    from the data, then the user's ``overrides`` (``ModelKind.build_model`` of
+    ``config.model``, for a tokenizer of ``vocab_size`` ids with qkv's special ids)."""
+    return get_kind(config.model).build_model(config, _Vocabulary(vocab_size, pad_id), max_len)
 
 
 def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
@@ -145,6 +148,7 @@ class Trainer:
                  lock: RunDirLock | None = None, _resume: bool = False,
                  _accept_changed_data: bool = False) -> None:
         self.config, self.out = config, Path(out_dir)
+        self.kind = get_kind(config.model)
         self.progress, self.log = progress, log
         if lock is not None and (not lock.held or lock.run_dir.resolve() != self.out.resolve()):
             raise ValueError(f"lock must be a held RunDirLock on {self.out}, got {lock!r}")
@@ -202,13 +206,13 @@ class Trainer:
         self._take_lock()
         verdict = None
         if self.world.is_main and (self.out / "run.json").exists():
-            if _never_saved(self.out):
+            if never_saved(self.out):
                 self.log(f"note: {self.out} holds a run that stopped before its first "
                          f"checkpoint; starting it over")
                 shutil.rmtree(self.out / TMP_DIR, ignore_errors=True)
             else:
                 try:
-                    _refuse_existing(self.out)
+                    refuse_existing(self.out)
                 except ValueError as exc:
                     verdict = str(exc)
         verdict = broadcast_object(verdict, self.world)  # type: ignore[assignment]
@@ -238,28 +242,28 @@ class Trainer:
         self._written: list[str] = []
         if _resume:
             self._take_lock()  # before reading: no other writer may change what we check
-            ckpt = self._find_resume_checkpoint(config)
-            _check_checkpoint_agrees(self.out, ckpt, config)
+            ckpt = resume_checkpoint(self.out, config.eval_every)
+            check_checkpoint_agrees(self.out, ckpt, config)
             config = self.config = self._check_data(config, accept_changed_data)
             self.model, self.tokenizer = load_run(ckpt)  # an adapter run: its base checked
             self.base = check_base(ckpt) if (ckpt / BASE_JSON).is_file() else None
-            self.max_len = int(self.model.config.max_len)
-            self.data = load_data(config, self.tokenizer, self.max_len)
+            self.max_len = self.kind.max_len_of(self.model)
+            self.data = self.kind.load_data(config, self.tokenizer, self.max_len)
         else:
-            if (self.out / "run.json").exists() and not _never_saved(self.out):
-                _refuse_existing(self.out)  # every rank, before any work
+            if (self.out / "run.json").exists() and not never_saved(self.out):
+                refuse_existing(self.out)  # every rank, before any work
             if config.data is not None:  # resumable from any working directory
                 data = Path(config.data).resolve()
                 config = self.config = TrainConfig.from_dict({
                     **config.to_dict(), "data": str(data),
-                    "data_fingerprint": _fingerprint(data)})
+                    "data_fingerprint": self._fingerprint(data)})
             torch.manual_seed(config.seed)
             if config.init_from is not None:
                 config = self._start_from_base(config)
             else:
                 self._new_model(config)
         self.model.to(self.device).train()
-        self.objective: nn.Module = _Objective(config.model, self.model, config.label_smoothing)
+        self.objective: nn.Module = _Objective(self.kind, self.model, config.label_smoothing)
         if self.world.size > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.objective = nn.parallel.DistributedDataParallel(self.objective, device_ids=ids)
@@ -288,18 +292,22 @@ class Trainer:
 
     def _new_model(self, config: TrainConfig) -> None:
         """A new model on new data: tokenizer fitted to it, sizes checked first."""
-        self.data, self.tokenizer, self.max_len, seq_len = prepare_data(config)
+        kind = self.kind
+        self.data, self.tokenizer, self.max_len, seq_len = kind.prepare_data(config)
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            shape_only = build_model(config, self.tokenizer.vocab_size, self.max_len,
-                                     self.tokenizer.pad_id)
-        check_model_fits_data(shape_only.config, self.tokenizer, self.max_len)
-        check_training_fits(shape_only, batch_size=config.batch_size // self.world.size,
-                            seq_len=seq_len, eval_examples=config.eval_examples,
-                            device=self.device, what=f"training {config.model} "
-                            f"(max_len={self.max_len})")
-        self.model = build_model(config, self.tokenizer.vocab_size, self.max_len,
-                                 self.tokenizer.pad_id)
+            shape_only = kind.build_model(config, self.tokenizer, self.max_len)
+        kind.check_model(shape_only.config, self.tokenizer, self.max_len)
+        self._check_memory(shape_only, seq_len, "training")
+        self.model = kind.build_model(config, self.tokenizer, self.max_len)
         self.base = None
+
+    def _check_memory(self, model: nn.Module, seq_len: int, doing: str) -> None:
+        """Refuse a step that cannot fit in memory (``qkv.train.memory``)."""
+        c, per_rank = self.config, self.config.batch_size // self.world.size
+        estimate = self.kind.estimate_memory(model, batch_size=per_rank, seq_len=seq_len,
+                                             eval_examples=c.eval_examples)
+        check_estimate_fits(estimate, batch_size=per_rank, seq_len=seq_len, device=self.device,
+                            what=f"{doing} {c.model} (max_len={self.max_len})")
 
     def _start_from_base(self, config: TrainConfig) -> TrainConfig:
         """The base of ``init_from`` (its tokenizer and max_len), the adapter of ``peft``
@@ -307,17 +315,14 @@ class Trainer:
         base = load_base(config.init_from, config.model)
         config = self.config = TrainConfig.from_dict({**config.to_dict(),
                                                       "init_from": str(base.path)})
-        self.data, self.max_len, seq_len = prepare_base_data(config, base.tokenizer,
-                                                             base.max_len)
+        self.data, self.max_len, seq_len = self.kind.prepare_base_data(config, base.tokenizer,
+                                                                       base.max_len)
         self.model, self.tokenizer = base.model, base.tokenizer
         if config.peft is not None:
             self.base = base.info()
         if config.peft is not None:
             attach_peft(self.model, config.peft)
-        check_training_fits(self.model, batch_size=config.batch_size // self.world.size,
-                            seq_len=seq_len, eval_examples=config.eval_examples,
-                            device=self.device, what=f"fine-tuning {config.model} "
-                            f"(max_len={self.max_len})")
+        self._check_memory(self.model, seq_len, "fine-tuning")
         return config
 
     def _write_run_json(self, config: TrainConfig) -> None:
@@ -326,33 +331,16 @@ class Trainer:
         atomic_write(self.out / "run.json", lambda tmp: Path(tmp).write_text(text))
         self._written.append("run.json")
 
-    def _find_resume_checkpoint(self, config: TrainConfig) -> Path:
-        try:
-            return find_checkpoint(self.out)
-        except CheckpointError:
-            if not (self.out / "run.json").exists():
-                raise
-        saved = last_evaluation(self.out / METRICS)
-        if saved is not None:
-            raise CheckpointError(
-                f"{self.out} has no checkpoint, although {METRICS} records one saved at step "
-                f"{saved}: {self.out / CHECKPOINT_DIR} was deleted or moved; put it back to "
-                f"resume")
-        raise CheckpointError(
-            f"{self.out} has no checkpoint yet: the run stopped before its first save (one "
-            f"every eval_every={config.eval_every} steps); start it again with the same "
-            f"settings and --out (it starts over), or choose another directory")
-
     def _check_data(self, config: TrainConfig, accept_changed: bool) -> TrainConfig:
         """The data file of a resumed run must be the one the run began with (size and
         SHA-256 in run.json); returns the config with the fingerprint to record."""
         if config.data is None:
             return config
         path = Path(config.data)
-        if not path.is_file():
+        if not path.exists():
             raise CheckpointError(f"{self.out}: the run's data file {path} is missing; a "
                                   f"resume trains on the file the run began with")
-        now = _fingerprint(path)
+        now = self._fingerprint(path)
         before = config.data_fingerprint
         note = self.log if self.world.is_main else (lambda line: None)
         if before is None:
@@ -370,6 +358,13 @@ class Trainer:
             note(f"note: continuing {self.out} on the changed {path} ({change}), as "
                      f"--accept-changed-data asks; the run is no longer reproducible")
         return TrainConfig.from_dict({**config.to_dict(), "data_fingerprint": now})
+
+    def _fingerprint(self, path: Path) -> dict[str, Any]:
+        """The data's fingerprint as the kind takes it (a file's bytes, a folder's)."""
+        try:
+            return self.kind.data_fingerprint(path)
+        except OSError as exc:
+            raise CheckpointError(f"--data {path}: cannot read it: {exc}") from exc
 
     @classmethod
     def resume(cls, out_dir: str | Path, *, steps: int | None = None, progress: bool = True,
@@ -408,8 +403,8 @@ class Trainer:
         batch, built whole on every rank (same padding width, same MLM corruption), so that N
         processes compute exactly the sums one process would."""
         c, w = self.config, self.world
-        batch = make_batch(c.model, self.data.train(step * c.batch_size, c.batch_size),
-                           self.tokenizer, step=step, seed=c.seed)
+        batch = self.kind.make_batch(self.data.train(step * c.batch_size, c.batch_size),
+                                     self.tokenizer, step=step, seed=c.seed)
         per_rank = c.batch_size // w.size
         rows = slice(w.rank * per_rank, (w.rank + 1) * per_rank)
         return {k: t[rows].to(self.device) for k, t in batch.items()}
@@ -442,8 +437,8 @@ class Trainer:
             self._stop(f"the gradient norm is {norm}")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        tokens = sum(int((t != self.tokenizer.pad_id).sum()) for k, t in batch.items()
-                     if k in ("src", "tgt_in", "ids"))
+        self.kind.after_optimizer_step(self.model)
+        tokens = self.kind.batch_tokens(batch, self.tokenizer)
         return {"loss": loss, "lr": lr, "grad_norm": norm, "tokens": tokens * self.world.size}
 
     def _stop(self, what: str) -> None:
@@ -490,13 +485,13 @@ class Trainer:
     def _evaluate_and_save(self, metrics: Any) -> dict[str, Any]:
         result: dict[str, Any] = {}
         if self.world.is_main:
-            result = {"step": self.step, **evaluate(self.config.model, self.model,
-                                                    self.tokenizer, self.data,
-                                                    self.config.eval_examples)}
+            result = {"step": self.step, **self.kind.evaluate(
+                self.model, self.tokenizer, self.data, self.config.eval_examples)}
             save_checkpoint(self.out, model=self.model, tokenizer=self.tokenizer,
                             optimizer=self.optimizer, step=self.step,
                             run_info=self.config.to_dict(),
-                            data_position=self.step * self.config.batch_size, base=self.base)
+                            data_position=self.step * self.config.batch_size, base=self.base,
+                            extra_files=self.kind.checkpoint_files(self.model))
             # logged after the save: an evaluation row in metrics.jsonl means a checkpoint of
             # that step was complete (what resume's messages rely on)
             metrics.write(json.dumps(result) + "\n")
@@ -507,55 +502,3 @@ class Trainer:
         self.last_saved = self.step
         barrier(self.world)
         return result
-
-
-def _fingerprint(path: Path) -> dict[str, Any]:
-    try:
-        return file_fingerprint(path)
-    except OSError as exc:
-        raise CheckpointError(f"--data {path}: cannot read it: {exc}") from exc
-
-
-def _never_saved(out: Path) -> bool:
-    """A run directory whose run stopped before its first checkpoint: no checkpoint, no
-    evaluation logged. Such a run has nothing to resume, so a new run may start over in it."""
-    try:
-        find_checkpoint(out)
-        return False
-    except CheckpointError:
-        pass
-    return last_evaluation(out / METRICS) is None
-
-
-def _refuse_existing(out: Path) -> None:
-    """Raise: ``out`` holds a run (``RunDirBusyError`` when a process is writing it now)."""
-    busy = lock_holder(out)
-    if busy is not None:
-        raise RunDirBusyError(busy.busy_message())
-    raise ValueError(f"{out} already holds a run; continue it with qkv train --resume {out}, "
-                     f"or choose another directory")
-
-
-#: run.json fields that may differ from the checkpoint's copy: ``--resume --steps M`` rewrites
-#: steps, and ``--accept-changed-data`` the data fingerprint, before the next checkpoint
-_MAY_DIFFER = ("steps", "data_fingerprint")
-
-
-def _check_checkpoint_agrees(out: Path, ckpt: Path, config: TrainConfig) -> None:
-    """Refuse a run.json that disagrees with the checkpoint's copy (an edited run.json would
-    build the wrong model or loss) — before anything is written."""
-    path = ckpt / "run.json"
-    if not path.is_file():  # not written by qkv train: nothing to compare
-        return
-    try:
-        saved = TrainConfig.from_dict(read_json(path)).to_dict()
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: not a valid training configuration: {exc}") from exc
-    ours = config.to_dict()
-    diff = [f"{k}: {ours[k]!r} vs {saved[k]!r}" for k in sorted(ours)
-            if k not in _MAY_DIFFER and ours[k] != saved[k]]
-    if diff:
-        raise CheckpointError(
-            f"{out / 'run.json'} disagrees with {path} ({'; '.join(diff)}): run.json was edited "
-            f"after the checkpoint was written; a resume continues the checkpoint's settings "
-            f"(only --steps may change): restore run.json from {path}")
