@@ -11,15 +11,25 @@ after warm-up; the table shows the median seconds per run, tokens/s (T / time) a
 speed ratio qkv / HF, per round and overall.
 
 A decode step at B=1 is ~2·P FLOPs (P ≈ 14.6M weights here, ~30 MFLOP) but reads every
-weight once (~58 MB fp32): on a CPU its time is dispatch overhead plus memory traffic.
-``--floor`` also times, in the same alternation, a run that only reads the weights T times
-(one (1, in) @ (in, out) product per linear layer and the LM head, nothing else): no decoder
-that reads its fp32 weights once per token goes faster than that on this machine.
+weight once (~58 MB fp32): on a CPU its time is dispatch overhead plus memory traffic. The
+floor is timed in the same alternation: runs that only read every linear weight (LM head
+included) once per token, T times, nothing else, through each matmul layout torch offers
+for a (1, in) row times a weight — ``mm(x, W_t)`` on a pre-transposed (in, out) copy, the
+same with ``out=``, ``addmm(b, x, W_t, out=)``, ``mv(W_t.T, x)``, ``mv(W, x)`` and
+``F.linear(x, W)`` on the (out, in) weight. The fastest layout by median is the floor: no
+decoder that reads its fp32 weights once per token through torch's kernels goes faster. The
+decode alone (qkv's ``FastGPTStepper``: prefill + T - 1 steps, argmax, no search loop) is
+timed too, so that what the search loop adds is visible.
+
+Each thread count in ``--threads`` (default 1 and 2) gets its own alternating rounds; the
+table shows per contender the median and best ms/token over all repeats of all rounds, and
+qkv / floor (tokens/s ratio; ≥ 0.9 is the goal).
 
 Usage: python -m benchmarks.bench_generate [--quick] [--tokens 128 --prompt 8 --dim 384
-       --layers 6 --heads 6 --vocab 8192 --repeats 5 --warmup 1 --rounds 1 --threads 1
-       --floor]
-(``--quick``: tiny sizes and one timed run, so the test suite can run it.)
+       --layers 6 --heads 6 --vocab 8192 --repeats 5 --warmup 1 --rounds 1 --threads 1 2
+       --layouts all]
+(``--quick``: tiny sizes and one timed run, so the test suite can run it. ``--floor`` is
+accepted for old command lines: the floor is always timed now.)
 """
 
 from __future__ import annotations
@@ -29,10 +39,11 @@ import shlex
 import statistics
 import sys
 import tempfile
+import time
 
 import torch
 
-from benchmarks._harness import print_table, side_by_side
+from benchmarks._harness import print_table
 from qkv import generate
 from qkv.models import GPT
 
@@ -53,24 +64,84 @@ def build(args) -> tuple[torch.nn.Module, GPT]:
     return hf, model
 
 
-def weight_reads(model: GPT, tokens: int):
-    """A run that only reads every linear weight once per token, as (1, in) @ (in, out)
-    products (the fast layout), ``tokens`` times: the memory-traffic floor of a decoder."""
-    mats = []
-    for layer in model.layers:
-        for lin in (layer.attn.in_proj, layer.attn.out_proj, layer.ffn.fc_in,
-                    layer.ffn.fc_out):
-            mats.append(lin.weight.detach().t().contiguous())
-    mats.append(model.lm_head.weight.detach().t().contiguous())
-    xs = [torch.randn(1, m.shape[0]) for m in mats]
+LAYOUTS = ("mm(x, W_t)", "mm(x, W_t, out=)", "addmm(b, x, W_t, out=)", "mv(W_t.T, x)",
+           "mv(W, x)", "F.linear(x, W)")
+
+
+def weight_reads(model: GPT, tokens: int, layout: str = "mm(x, W_t)"):
+    """A run that only reads every linear weight once per token (the LM head included),
+    ``tokens`` times, through one matmul ``layout`` of ``LAYOUTS`` (W: (out, in) as stored;
+    W_t: an (in, out) contiguous copy; x: (1, in), or (in,) for mv): a decoder's floor."""
+    import torch.nn.functional as F
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"weight_reads: layout must be one of {LAYOUTS}, got {layout!r}")
+    lins = [lin for layer in model.layers for lin in (layer.attn.in_proj, layer.attn.out_proj,
+                                                     layer.ffn.fc_in, layer.ffn.fc_out)]
+    ws = [lin.weight.detach() for lin in lins] + [model.lm_head.weight.detach()]  # (out, in)
+    wts = [w.t().contiguous() for w in ws]  # (in, out)
+    bs = [torch.zeros(w.shape[0]) for w in ws]
+    xs = [torch.randn(1, w.shape[1]) for w in ws]  # (1, in)
+    vs = [x[0] for x in xs]  # (in,)
+    outs = [torch.empty(1, w.shape[0]) for w in ws]  # (1, out)
+    mm, addmm, mv, linear = torch.mm, torch.addmm, torch.mv, F.linear
+    body = {
+        "mm(x, W_t)": lambda: [mm(x, w) for x, w in zip(xs, wts, strict=True)],
+        "mm(x, W_t, out=)": lambda: [mm(x, w, out=o)
+                                     for x, w, o in zip(xs, wts, outs, strict=True)],
+        "addmm(b, x, W_t, out=)": lambda: [addmm(b, x, w, out=o)
+                                           for b, x, w, o in zip(bs, xs, wts, outs, strict=True)],
+        "mv(W_t.T, x)": lambda: [mv(w.t(), v) for w, v in zip(wts, vs, strict=True)],
+        "mv(W, x)": lambda: [mv(w, v) for w, v in zip(ws, vs, strict=True)],
+        "F.linear(x, W)": lambda: [linear(x, w) for x, w in zip(xs, ws, strict=True)],
+    }[layout]
 
     def run() -> None:
         with torch.inference_mode():
             for _ in range(tokens):
-                for x, m in zip(xs, mats, strict=True):
-                    x @ m
+                body()
 
     return run
+
+
+def decode_only(model: GPT, ids: torch.Tensor, tokens: int):
+    """qkv's decode without the search loop: ``FastGPTStepper`` prefill + ``tokens`` - 1
+    steps, each fed the argmax of the last logits (R, V)."""
+    from qkv.generation.fast_gpt import FastGPTStepper
+
+    def run() -> torch.Tensor:
+        with torch.inference_mode():
+            stepper = FastGPTStepper(model, ids, None, tokens)
+            logits = stepper.prefill()
+            for _ in range(tokens - 1):
+                logits = stepper.step(logits.argmax(dim=-1))
+            return logits
+
+    return run
+
+
+def _alternate(fns: dict, warmup: int, repeats: int) -> dict[str, list[float]]:
+    """Seconds of every call of each function, timed alternately in one loop (the order
+    flips every repeat), so that the machine's drift hits every contender alike."""
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def _load() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "n/a"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -85,25 +156,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=int, default=1,
-                   help="independent side-by-side rounds (the median ratio is reported)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (0: torch's default). Default 1: a B=1 decode step's "
-                        "ops are too small to split, and a second OpenMP thread on a shared "
-                        "2-core machine makes every op wait for it")
-    p.add_argument("--floor", action="store_true",
-                   help="also time the weight reads alone (the memory-traffic floor)")
+                   help="independent side-by-side rounds per thread count")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2],
+                   help="torch thread counts, each timed apart (0: torch's default)")
+    p.add_argument("--layouts", nargs="+", default=["all"],
+                   help=f"floor layouts to time: 'all' or some of {LAYOUTS}")
+    p.add_argument("--floor", action="store_true", help="(ignored: the floor is always timed)")
     args = p.parse_args(argv)
     if args.quick:
         args.tokens, args.prompt, args.dim, args.layers, args.heads, args.vocab = \
             8, 4, 64, 2, 4, 128
         args.repeats, args.warmup, args.rounds = 1, 1, 1
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    layouts = LAYOUTS if args.layouts == ["all"] else tuple(args.layouts)
     print("command: python -m benchmarks.bench_generate "
           + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 CPU; B=1 "
-          f"N={args.prompt} T={args.tokens} C={args.dim} L={args.layers} H={args.heads} "
-          f"V={args.vocab}, greedy")
+    print(f"torch {torch.__version__}, fp32 CPU; B=1 N={args.prompt} T={args.tokens} "
+          f"C={args.dim} L={args.layers} H={args.heads} V={args.vocab}, greedy; "
+          f"load average at start {_load()}")
 
     hf, model = build(args)
     torch.manual_seed(1)
@@ -123,22 +192,43 @@ def main(argv: list[str] | None = None) -> None:
     print(f"same tokens: {a.shape == b.shape and torch.equal(a, b)} ({same} of "
           f"{a.shape[1]} positions agree; HF {tuple(a.shape)}, qkv {tuple(b.shape)})")
 
-    fns = {"HF GPT2LMHeadModel.generate": hf_run, "qkv.generate": qkv_run}
-    if args.floor:
-        fns["weight reads alone (floor)"] = weight_reads(model, t)
-    rows, ratios = [], []
-    for r in range(args.rounds):
-        times = side_by_side(fns, args.warmup, args.repeats)
-        hf_t, qkv_t = times["HF GPT2LMHeadModel.generate"], times["qkv.generate"]
-        ratios.append(hf_t / qkv_t)
-        for name, sec in times.items():
-            rows.append([str(r + 1), name, f"{sec * 1e3:.0f}", f"{sec / t * 1e3:.2f}",
-                         f"{t / sec:.0f}", f"{hf_t / sec:.2f}x"])
-    print_table(f"Greedy generation, B=1, {t} new tokens, fp32 CPU, median of {args.repeats} "
-                f"per round", ["round", "generate", "ms/run", "ms/token", "tokens/s",
-                               "speed vs HF"], rows)
-    print(f"\nqkv / HF tokens/s: median {statistics.median(ratios):.2f}x over {len(ratios)} "
-          f"round(s) (min {min(ratios):.2f}x, max {max(ratios):.2f}x)")
+    qkv_name, hf_name = "qkv.generate", "HF GPT2LMHeadModel.generate"
+    fns = {hf_name: hf_run, qkv_name: qkv_run,
+           "qkv decode step alone (no search loop)": decode_only(model, ids, t)}
+    for layout in layouts:
+        fns[f"floor: {layout}"] = weight_reads(model, t, layout)
+    rows, summary = [], []
+    for threads in args.threads:
+        if threads:
+            torch.set_num_threads(threads)
+        per: dict[str, list[float]] = {name: [] for name in fns}
+        loads = [_load()]
+        for _ in range(args.rounds):
+            times = _alternate(fns, args.warmup, args.repeats)
+            for name, ts in times.items():
+                per[name] += ts
+            loads.append(_load())
+        med = {name: statistics.median(ts) for name, ts in per.items()}
+        best = {name: min(ts) for name, ts in per.items()}
+        floor = min((n for n in fns if n.startswith("floor: ")), key=med.__getitem__)
+        for name in fns:
+            tag = " **(floor)**" if name == floor else ""
+            rows.append([str(torch.get_num_threads()), name + tag,
+                         f"{med[name] / t * 1e3:.2f}", f"{best[name] / t * 1e3:.2f}",
+                         f"{t / med[name]:.0f}", f"{med[hf_name] / med[name]:.2f}x",
+                         f"{med[floor] / med[name]:.2f}", f"{best[floor] / best[name]:.2f}"])
+        summary.append(f"{torch.get_num_threads()} thread(s): qkv.generate / floor "
+                       f"{med[floor] / med[qkv_name]:.2f} (median), "
+                       f"{best[floor] / best[qkv_name]:.2f} (best); floor = {floor}; "
+                       f"qkv / HF {med[hf_name] / med[qkv_name]:.2f}x; load average "
+                       f"{' -> '.join(loads)}")
+    print_table(f"Greedy generation, B=1, {t} new tokens, fp32 CPU, {args.rounds} round(s) of "
+                f"{args.repeats} alternating repeats per thread count",
+                ["threads", "run", "ms/token median", "ms/token best", "tokens/s median",
+                 "speed vs HF", "floor / this (median)", "floor / this (best)"], rows)
+    print()
+    for line in summary:
+        print(line)
 
 
 if __name__ == "__main__":

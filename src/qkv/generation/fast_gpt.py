@@ -5,11 +5,20 @@ Shapes: R rows, N prompt length, L tokens in the cache, C width, H heads, Hkv kv
 D head dim, F feed-forward width, V vocab size.
 
 Decoding one token at batch 1 is ~30 MFLOP but streams every weight once: on a CPU the time
-goes to Python/dispatch overhead and to memory bandwidth. This step calls the aten ops
-directly (layer_norm, addmm, scaled_dot_product_attention on (R, H, 1, D) against the cached
-keys, one mask slice only when the prompt was padded) and multiplies by the weights transposed
-to (in, out): a row vector times an (in, out) matrix streams about twice as fast through
-torch's CPU GEMM as times the transpose of an (out, in) one (~20 vs ~10 GB/s here).
+goes to memory bandwidth through torch's GEMM and to Python/dispatch overhead. This step calls
+the aten ops directly and multiplies by the weights transposed to (in, out): a row vector
+times an (in, out) matrix streams about twice as fast through torch's CPU GEMM as times the
+transpose of an (out, in) one (``F.linear``, ``mv(W, x)``; ~20 vs ~10 GB/s here). Per layer
+and token it dispatches ~17 ops and allocates no cache memory: the fused q/k/v projection
+writes into a preallocated buffer whose q/k/v parts are views made once; the new key/value
+go into the cache slot through views made once (``unbind``); attention for the one query is
+``baddbmm`` (scores · scale + a padding bias, one op) -> ``softmax`` -> ``bmm`` on
+(R·Hkv, H/Hkv, ·) batches of the cache (GQA needs no key/value expansion), which is ~2×
+faster here than ``scaled_dot_product_attention``'s CPU kernel for one query (~20 vs
+~35-55 µs a layer). ``benchmarks/bench_generate.py`` measures it against the weight-read
+floor. ``torch.compile`` of the step was tried: with the cache length changing every step it
+recompiles until its limit (minutes on this machine) and then ran slower than eager, so it is
+not used.
 
 The transposed copies (as large as the model's linear weights, LM head included) are made on
 the first ``generate`` call and kept with the model — a weak reference, freed with it — so
@@ -118,13 +127,21 @@ def release(model: GPT) -> None:
     _PLANS.pop(model, None)
 
 
-def _affine(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-    """x (R, in) @ w (in, out) + b."""
-    return x @ w if b is None else torch.addmm(b, x, w)
+# activations by name, as direct (in-place where torch has one) calls on a fresh buffer
+_INPLACE = {"relu": torch.relu_,
+            "gelu": lambda x: torch._C._nn.gelu_(x),
+            "gelu_tanh": lambda x: torch._C._nn.gelu_(x, approximate="tanh"),
+            "silu": lambda x: F.silu(x, inplace=True)}
 
 
 class FastGPTStepper:
     """Prefill with the model, then decode one token per row per ``step``.
+
+    Per layer and step: layer_norm, one addmm into a preallocated (R, (H + 2·Hkv)·D) buffer
+    whose q/k/v parts are fixed views, two copies into the cache slot (views made once),
+    attention for the one query as baddbmm (scores · scale + padding bias) -> softmax -> bmm
+    on (R·Hkv, H/Hkv, ·) views (no SDPA dispatch, no key/value expansion for GQA),
+    out-projection + residual, layer_norm, the feed-forward with an in-place activation.
 
     Args:
         model: an ``eligible`` GPT.
@@ -139,35 +156,56 @@ class FastGPTStepper:
         self.model, self.ids, self.keep = model, ids, keep
         rows, n = ids.shape
         self.rows, self.length = rows, n
-        self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads or c.num_heads, \
-            c.head_dim
-        self.gqa = self.kv_heads != self.heads
-        self.act = ACTIVATIONS[c.activation]
+        heads, kv_heads, d = c.num_heads, c.num_kv_heads or c.num_heads, c.head_dim
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, d
+        self.group = heads // kv_heads  # g query heads per kv head
+        self.scale = 1.0 / d ** 0.5
+        self.act = _INPLACE.get(c.activation) or ACTIVATIONS[c.activation]
         wt = transposed_weights(model)
+        dtype, device = model.embed.weight.dtype, ids.device
+        hd, kvd = heads * d, kv_heads * d
+        capacity = n + max_new_tokens
+        self.cache = model.new_cache(rows, capacity)
+        if not all(type(kc) is KVCache for kc in self.cache):
+            raise TypeError("FastGPTStepper: GPT.new_cache did not return KVCaches")
         self.layers = []
-        for i, layer in enumerate(model.layers):
+        for i, (layer, kc) in enumerate(zip(model.layers, self.cache, strict=True)):
             a, f = layer.attn, layer.ffn
             w_in, w_out, w_fc, w_proj = wt[4 * i:4 * i + 4]
+            proj = torch.empty(rows, hd + 2 * kvd, dtype=dtype, device=device)  # (R, 3·)
+            keys = kc.keys.view(rows * kv_heads, capacity, d)  # (R·Hkv, S, D)
+            values = kc.values.view(rows * kv_heads, capacity, d)  # (R·Hkv, S, D)
             self.layers.append((
                 layer.norm1.weight, layer.norm1.bias, layer.norm1.eps,
                 w_in, a.in_proj.bias, w_out, a.out_proj.bias,
                 layer.norm2.weight, layer.norm2.bias, layer.norm2.eps,
-                w_fc, f.fc_in.bias, w_proj, f.fc_out.bias))
+                w_fc, f.fc_in.bias, w_proj, f.fc_out.bias,
+                proj,
+                proj[:, :hd].view(rows, heads, 1, d),  # q (R, H, 1, D)
+                proj[:, hd:hd + kvd].view(rows, kv_heads, 1, d),  # k (R, Hkv, 1, D)
+                proj[:, hd:hd + kvd].view(rows, kv_heads, d),  # k (R, Hkv, D)
+                proj[:, hd + kvd:].view(rows, kv_heads, d),  # v (R, Hkv, D)
+                # q as (R·Hkv, g, D) batches: a view of the buffer for one row
+                proj[:, :hd].view(kv_heads, self.group, d) if rows == 1 else None,
+                kc.keys.unbind(2), kc.values.unbind(2),  # S slot views (R, Hkv, D)
+                keys.transpose(1, 2), values))  # (R·Hkv, D, S), (R·Hkv, S, D)
         self.norm = (model.norm.weight, model.norm.bias, model.norm.eps)
-        self.width = c.dim
+        self.width = (c.dim,)
         self.embed = model.embed.weight  # (V, C)
         self.head = wt[-1]  # (C, V)
         self.pos_table = None if model.positions is None else model.positions.weight
         self.rope = model.rope
-        self.cache = model.new_cache(rows, n + max_new_tokens)
-        if not all(type(kc) is KVCache for kc in self.cache):
-            raise TypeError("FastGPTStepper: GPT.new_cache did not return KVCaches")
-        self.mask = None
+        # additive key bias (R·Hkv, 1, S): 0 = may attend, -inf = a padded prompt position;
+        # a (1, 1, 1) zero ignored (beta=0) when nothing is padded
+        self.bias = torch.zeros(1, 1, 1, dtype=dtype, device=device)
+        self.beta = 0.0
         self.real = None  # (R,) real prompt tokens per row: the next position, padded batch
         if keep is not None:
-            self.mask = torch.ones(rows, 1, 1, n + max_new_tokens, dtype=torch.bool,
-                                   device=ids.device)  # (R, 1, 1, S) for SDPA
-            self.mask[:, 0, 0, :n] = keep
+            bias = torch.zeros(rows, kv_heads, 1, capacity, dtype=dtype, device=device)
+            bias[:, :, 0, :n] = torch.zeros((), dtype=dtype, device=device).masked_fill(
+                ~keep[:, None, :], float("-inf"))  # (R, Hkv, N)
+            self.bias = bias.view(rows * kv_heads, 1, capacity)
+            self.beta = 1.0
             self.real = keep.sum(dim=1)
 
     def prefill(self) -> Tensor:
@@ -179,45 +217,56 @@ class FastGPTStepper:
         """Feed tokens (R,) at the next position; logits (R, V)."""
         t = self.length  # cache slot of the new token
         self.length = s = t + 1
-        rows, hd = self.rows, self.heads * self.head_dim
-        kvd = self.kv_heads * self.head_dim
+        rows, hk, g, d = self.rows, self.kv_heads, self.group, self.head_dim
         x = self.embed.index_select(0, tokens)  # (R, C)
+        rope_pos = None
         if self.real is None:  # every row at position t (positions were checked by generate)
-            rope_pos = torch.tensor([t], device=tokens.device) if self.rope is not None else None
+            if self.rope is not None:
+                rope_pos = torch.tensor([t], device=tokens.device)
             if self.pos_table is not None:
-                x = x + self.pos_table[t]
+                x += self.pos_table[t]
         else:
             pos = self.real + (t - self.ids.shape[1])  # (R,)
             rope_pos = pos[:, None] if self.rope is not None else None
             if self.pos_table is not None:
-                x = x + self.pos_table.index_select(0, pos)
-        mask = None if self.mask is None else self.mask[..., :s]  # (R, 1, 1, S)
-        width = (self.width,)
-        for (w1, b1, e1, w_in, b_in, w_out, b_out, w2, b2, e2, w_fc, b_fc, w_proj, b_proj), cache \
-                in zip(self.layers, self.cache, strict=True):
-            h = F.layer_norm(x, width, w1, b1, e1)
-            proj = _affine(h, w_in, b_in)  # (R, (H + 2·Hkv)·D)
-            q = proj[:, :hd].view(rows, self.heads, 1, self.head_dim)  # (R, H, 1, D)
-            k = proj[:, hd:hd + kvd].view(rows, self.kv_heads, 1, self.head_dim)
-            v = proj[:, hd + kvd:].view(rows, self.kv_heads, 1, self.head_dim)
-            if self.rope is not None:
-                q, k = self.rope.rotate(q, rope_pos), self.rope.rotate(k, rope_pos)
-            cache.keys[:, :, t:s] = k
-            cache.values[:, :, t:s] = v
-            a = F.scaled_dot_product_attention(
-                q, cache.keys[:, :, :s], cache.values[:, :, :s], attn_mask=mask,
-                enable_gqa=self.gqa)  # (R, H, 1, D)
-            x = _affine(a.reshape(rows, hd), w_out, b_out).add_(x)
-            h = F.layer_norm(x, width, w2, b2, e2)
-            x = _affine(self.act(_affine(h, w_fc, b_fc)), w_proj, b_proj).add_(x)
-        return F.layer_norm(x, width, *self.norm) @ self.head  # (R, V)
+                x += self.pos_table.index_select(0, pos)
+        bias = self.bias if self.beta == 0.0 else self.bias[:, :, :s]  # (R·Hkv, 1, S)
+        width, beta, scale, act = self.width, self.beta, self.scale, self.act
+        layer_norm, addmm, mm, baddbmm, bmm = (torch.layer_norm, torch.addmm, torch.mm,
+                                               torch.baddbmm, torch.bmm)
+        softmax = torch._softmax
+        for (w1, b1, e1, w_in, b_in, w_out, b_out, w2, b2, e2, w_fc, b_fc, w_proj, b_proj,
+             proj, q, k4, k, v, q3, kslots, vslots, keys_t, values) in self.layers:
+            h = layer_norm(x, width, w1, b1, e1)
+            if b_in is None:
+                mm(h, w_in, out=proj)  # (R, (H + 2·Hkv)·D)
+            else:
+                addmm(b_in, h, w_in, out=proj)
+            if rope_pos is not None:
+                q3 = self.rope.rotate(q, rope_pos).reshape(rows * hk, g, d)  # (R·Hkv, g, D)
+                k = self.rope.rotate(k4, rope_pos).view(rows, hk, d)  # (R, Hkv, D)
+            elif q3 is None:
+                q3 = q.reshape(rows * hk, g, d)  # (R·Hkv, g, D)
+            kslots[t].copy_(k)
+            vslots[t].copy_(v)
+            scores = baddbmm(bias, q3, keys_t[:, :, :s], beta=beta,
+                             alpha=scale)  # (R·Hkv, g, S)
+            a = bmm(softmax(scores, -1, False), values[:, :s])  # (R·Hkv, g, D)
+            a = a.view(rows, hk * g * d)  # (R, H·D)
+            x = (mm(a, w_out) if b_out is None else addmm(b_out, a, w_out)).add_(x)
+            h = layer_norm(x, width, w2, b2, e2)
+            h = act(mm(h, w_fc) if b_fc is None else addmm(b_fc, h, w_fc))
+            x = (mm(h, w_proj) if b_proj is None else addmm(b_proj, h, w_proj)).add_(x)
+        return mm(layer_norm(x, width, *self.norm), self.head)  # (R, V)
 
     def reorder(self, idx: Tensor) -> None:
-        """Row r continues from row ``idx[r]``."""
+        """Row r continues from row ``idx[r]`` (in place: the step's views stay valid)."""
         n = self.length  # the step writes the buffers itself: index their filled part
         for kc in self.cache:
             kc.keys[:, :, :n] = kc.keys[:, :, :n].index_select(0, idx)
             kc.values[:, :, :n] = kc.values[:, :, :n].index_select(0, idx)
-        if self.mask is not None:
-            self.mask = self.mask.index_select(0, idx)
+        if self.real is not None:
+            rows, cap = self.rows, self.bias.shape[-1]
+            bias = self.bias.view(rows, -1, cap)  # (R, Hkv, S)
+            bias.copy_(bias.index_select(0, idx))
             self.real = self.real.index_select(0, idx)

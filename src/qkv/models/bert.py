@@ -18,7 +18,8 @@ Key padding follows the qkv convention (True = may attend): ``attention_mask`` (
 keys/values (see ``key_padding_mask``); a mask without any padding is dropped, so the
 attention kernel runs unmasked. A padded batch runs every token-wise op (projections, FFN,
 LayerNorms: ~90% of the time) on its T real tokens only, packed (T, C); only attention
-itself sees the padded (B, H, N, D) layout.
+itself sees the padded (B, H, N, D) layout (``EncoderLayer.forward_rows``, shared with the
+encoder-decoder's encoder).
 
 Loading HuggingFace checkpoints: ``BERT.from_hf(dir)`` (or ``BERT.from_pretrained(dir)``)
 reads config.json (model_type "bert") and model.safetensors, fuses each layer's
@@ -40,10 +41,9 @@ from torch import Tensor, nn
 
 from ..modules.attention import MultiHeadAttention
 from ..modules.feedforward import ACTIVATIONS, FeedForward
-from ..modules.layers import EncoderLayer
+from ..modules.layers import EncoderLayer, TokenRows
 from ..modules.norms import LayerNorm
 from ..modules.positions import Learned
-from ..ops import attention
 from .hf_bert import config_from_hf, map_hf_state, normalise_hf_state
 from .hub import (
     CONFIG_NAME,
@@ -283,74 +283,22 @@ class BERT(PretrainedMixin, nn.Module):
             if not bool(keep.all()):  # no padding: run the kernel unmasked
                 mask = key_padding_mask(keep)  # (B, 1, 1, N)
         x = self.embed(ids, token_type_ids, position_ids)  # (B, N, C)
-        # The layers run on 2-D (T, C) token rows: every token-wise op (projections, FFN,
-        # norms) sees only the T real tokens of a padded batch (T = B·N without padding);
-        # attention alone runs in the padded (B, H, N, D) layout.
-        idx = None if mask is None else keep.reshape(-1).nonzero().squeeze(1)  # (T,)
-        h = x.reshape(b * n, -1)  # (B·N, C)
-        if idx is not None:
-            h = h.index_select(0, idx)  # (T, C)
+        # The layers run on 2-D (T, C) token rows (EncoderLayer.forward_rows): every
+        # token-wise op (projections, FFN, norms) sees only the T real tokens of a padded
+        # batch (T = B·N without padding); attention alone runs in the padded layout.
+        rows = TokenRows(None if mask is None else keep, batch=b, length=n)
+        h = rows.pack(x)  # (T, C)
         attentions = []
         bufs: dict[str, Tensor] | None = None if torch.is_grad_enabled() else {}
         for layer in self.layers:
-            h, w = self._token_layer(layer, h, idx, b, n, mask, output_attentions, bufs)
+            h = layer.forward_rows(h, rows, mask=mask, need_weights=output_attentions,
+                                   bufs=bufs)
             if output_attentions:
+                h, w = h
                 attentions.append(w)
-        if idx is None:
-            x = h.view(b, n, -1)  # (B, N, C)
-        else:
-            x = h.new_zeros(b * n, h.shape[-1]).index_copy(0, idx, h).view(b, n, -1)
+        x = rows.unpack(h)  # (B, N, C), zeros at padded positions
         pooled = None if self.pooler is None else torch.tanh(self.pooler(x[:, 0]))  # (B, C)
         return BERTOutput(x, pooled, tuple(attentions) if output_attentions else None)
-
-    def _token_layer(self, layer: EncoderLayer, h: Tensor, idx: Tensor | None, b: int,
-                     n: int, mask: Tensor | None, need_weights: bool,
-                     bufs: dict[str, Tensor] | None) -> tuple[Tensor, Tensor | None]:
-        """One post-norm ``EncoderLayer`` (its parameters and submodules) on token rows.
-
-        h (T, C): the real tokens of the (B, N) batch at flat positions ``idx`` (T,), or all
-        B·N tokens when ``idx`` is None. The same math as ``layer(x, mask=mask)`` on the
-        real positions (padded keys/values are zeros and masked). Residual adds run in
-        place; when no gradient is recorded (``bufs`` is a dict, shared by the layers of
-        one forward) the activation runs in place and the two wide projections write into
-        buffers reused from layer to layer: fresh large buffers cost page faults on CPU
-        (~10% of a forward). Returns h (T, C) and the weights (B, H, N, N) or None.
-        """
-        attn, ffn = layer.attn, layer.ffn
-        if not _is_plain(layer):  # parts swapped in (adapters...): the layer's own forward
-            x = h.view(b, n, -1) if idx is None else \
-                h.new_zeros(b * n, h.shape[-1]).index_copy(0, idx, h).view(b, n, -1)
-            out = layer(x, mask=mask, need_weights=need_weights)
-            x, weights = out if need_weights else (out, None)
-            x = x.reshape(b * n, -1)  # (B·N, C)
-            return (x if idx is None else x.index_select(0, idx)), weights
-        heads, d = attn.num_heads, attn.head_dim
-        proj = _linear(attn.in_proj, h, bufs, "proj")  # (T, 3C), columns q, k, v
-        if idx is not None:
-            if bufs is None:
-                full = proj.new_zeros(b * n, proj.shape[-1])  # (B·N, 3C)
-            else:  # padded rows stay zero from layer to layer
-                full = bufs.get("full")
-                if full is None:
-                    full = bufs["full"] = proj.new_zeros(b * n, proj.shape[-1])
-            proj = full.index_copy_(0, idx, proj)  # (B·N, 3C)
-        q, k, v = proj.view(b, n, 3, heads, d).permute(2, 0, 3, 1, 4)  # (B, H, N, D) each
-        out = attention(q, k, v, mask=mask, return_weights=need_weights,
-                        dropout_p=attn.dropout if self.training else 0.0, backend=attn.backend)
-        weights = None
-        if need_weights:
-            out, weights = out
-        out = out.transpose(1, 2).reshape(b * n, heads * d)  # (B·N, C)
-        if idx is not None:
-            out = out.index_select(0, idx)  # (T, C)
-        a = layer.dropout(attn.out_proj(out))  # (T, C)
-        h = layer.norm1(a.add_(h))  # (T, C)
-        f = _linear(ffn.fc_in, h, bufs, "ffn")  # (T, F)
-        inplace = None if bufs is None else _INPLACE_ACTIVATIONS.get(ffn.activation)
-        f = inplace(f) if inplace is not None else ACTIVATIONS[ffn.activation](f)
-        f = layer.dropout(ffn.fc_out(ffn.dropout(f)))  # (T, C)
-        h = layer.norm2(f.add_(h))  # (T, C)
-        return h, weights
 
     def mlm_logits(self, hidden: Tensor) -> Tensor:
         """Masked-LM logits (B, N, V) of hidden states (B, N, C) (``last_hidden_state``)."""
@@ -448,45 +396,15 @@ class BERT(PretrainedMixin, nn.Module):
         return model.eval()  # as transformers: a loaded model starts in eval mode
 
 
-def _is_plain(layer: EncoderLayer) -> bool:
-    """The layer has the parts ``BERT`` builds (so ``_token_layer`` may use them directly)."""
-    attn, ffn = layer.attn, layer.ffn
-    return (type(attn) is MultiHeadAttention and type(ffn) is FeedForward
-            and not layer.norm_first and attn.in_proj is not None and attn.rope is None
-            and attn.num_kv_heads == attn.num_heads
-            and all(type(m) is nn.Linear for m in (attn.in_proj, attn.out_proj, ffn.fc_in,
-                                                   ffn.fc_out)))
-
-
-def _linear(lin: nn.Linear, x: Tensor, bufs: dict[str, Tensor] | None, name: str) -> Tensor:
-    """``lin(x)`` for x (T, Cin) -> (T, Cout), written into ``bufs[name]`` when given
-    (no-grad only: the buffer is overwritten by the next layer)."""
-    if bufs is None or lin.bias is None:
-        return lin(x)
-    shape = (x.shape[0], lin.out_features)
-    out = bufs.get(name)
-    if out is None or out.shape != shape or out.dtype != x.dtype:
-        out = bufs[name] = x.new_empty(shape)
-    return torch.addmm(lin.bias, x, lin.weight.t(), out=out)
-
-
-_INPLACE_ACTIVATIONS = {
-    "gelu": torch.ops.aten.gelu_,
-    "gelu_tanh": lambda t: torch.ops.aten.gelu_(t, approximate="tanh"),
-    "relu": torch.relu_,
-    "silu": lambda t: F.silu(t, inplace=True),
-}
-
-
 def key_padding_mask(keep: Tensor) -> Tensor:
     """The attention mask of a padded batch: ``keep`` (B, N) bool, True at real tokens ->
     (B, 1, 1, N) bool, True = may attend (every query sees the real keys of its row).
 
-    Equivalent to ``qkv.masks.Padding(keep=keep)`` except that ``qkv.attention`` does not
-    zero the padded keys/values first (``Padding``'s guard against NaN/inf stored past a
-    sequence's end, two (B, H, N, D) copies per layer). BERT's padded positions hold finite
-    hidden states computed like the real ones, so the guard buys nothing here; it costs
-    about a fifth of the attention module's time at the minilm-l6 shape (B=32, N=128).
+    Equivalent to ``qkv.masks.Padding(keep=keep)`` except that ``qkv.attention`` skips
+    ``Padding``'s guard against NaN/inf stored past a sequence's end (a read-only finiteness
+    sum of k and v per layer; a copy only when they hold NaN/inf). BERT's token rows leave
+    exact zeros at the padded keys/values (``EncoderLayer.forward_rows``), so the guard
+    would buy nothing here.
     """
     return keep[:, None, None, :]  # (B, 1, 1, N)
 

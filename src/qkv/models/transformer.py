@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from ..modules.attention import MultiHeadAttention
 from ..modules.cache import KVCache
 from ..modules.feedforward import FeedForward, SwiGLU
-from ..modules.layers import DecoderLayer, EncoderLayer
+from ..modules.layers import DecoderLayer, EncoderLayer, TokenRows
 from ..modules.norms import LayerNorm, RMSNorm
 from ..modules.positions import positions_from_mask
 from ..ops.masks import Padding
@@ -209,12 +209,20 @@ class Transformer(PretrainedMixin, nn.Module):
                  ) -> tuple[Tensor, list[Tensor]]:
         mask = None if keep is None else Padding(keep=keep)
         weights = []
+        # eval, padded: the layers run on the real tokens' rows (EncoderLayer.forward_rows;
+        # the padded positions of the output are zeros, masked wherever they are read)
+        rows = TokenRows(keep) if keep is not None and not self.training else None
+        if rows is not None:
+            x = rows.pack(x)  # (T, C)
         for i, layer in enumerate(self.encoder_layers):
-            x = layer(x, mask=mask, bias=self._layer_bias(self.encoder_bias, i),
+            kw = dict(mask=mask, bias=self._layer_bias(self.encoder_bias, i),
                       need_weights=need_weights)
+            x = layer(x, **kw) if rows is None else layer.forward_rows(x, rows, **kw)
             if need_weights:
                 x, w = x
                 weights.append(w)
+        if rows is not None:
+            x = rows.unpack(x)  # (B, S, C)
         if self.encoder_norm is not None:
             x = self.encoder_norm(x)
         return x, weights
@@ -304,7 +312,10 @@ class Transformer(PretrainedMixin, nn.Module):
 
         Returns:
             ``(memory (B, S, C), memory_mask (B, S) bool)``: the encoder output (after the
-            final norm if any) and its keep-mask, to pass to ``decode``.
+            final norm if any) and its keep-mask, to pass to ``decode``. In eval a padded
+            source runs as token rows (``EncoderLayer.forward_rows``): the padded positions
+            of memory hold zeros (the final norm of zeros with one), masked wherever memory
+            is read.
         """
         memory, keep, _ = self._encode(src, src_lengths, src_mask, False)
         return memory, keep

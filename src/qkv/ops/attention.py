@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor
 
 from .bias import BiasProducer
@@ -72,8 +73,14 @@ def _full_mask(mask, causal: bool, q: Tensor, k: Tensor) -> Mask | None:
 
 
 def _clear_padding(k: Tensor, v: Tensor, mask: Mask | None) -> tuple[Tensor, Tensor]:
-    """Zero the keys/values past each sequence's end (``Padding``), so that whatever that
-    memory holds (NaN, inf) cannot reach the result: 0 · NaN is NaN in a matmul."""
+    """Zero the keys/values past each sequence's end (``Padding``) when that memory holds a
+    non-finite value, so that it cannot reach the result: 0 · NaN is NaN in weights @ V, and a
+    NaN or inf logit stays NaN under an additive -inf mask.
+
+    Zero-copy unless needed: nothing padded, or every element of k and v finite (one
+    read-only sum of each, accumulated in fp32 for half inputs: a NaN or ±inf anywhere makes
+    it non-finite; a finite sum that overflows only costs the copy), returns k and v
+    themselves. Only memory that really holds NaN/inf is copied with the padding zeroed."""
     parts = mask.parts if isinstance(mask, And) else (mask,)
     pads = [p for p in parts if isinstance(p, Padding)]
     if not pads:
@@ -81,9 +88,14 @@ def _clear_padding(k: Tensor, v: Tensor, mask: Mask | None) -> tuple[Tensor, Ten
     keep = pads[0].block(0, 1, 0, k.shape[2], 1, k.shape[2], k.device)  # (B|1, 1, 1, S)
     for p in pads[1:]:
         keep = keep & p.block(0, 1, 0, k.shape[2], 1, k.shape[2], k.device)
-    keep = keep[:, :, 0, :, None]  # (B|1, 1, S, 1)
     if bool(keep.all()):  # nothing is padded: no copy
         return k, v
+    acc = torch.float32 if k.dtype in (torch.float16, torch.bfloat16) else None
+    with torch.no_grad():
+        total = k.detach().sum(dtype=acc) + v.detach().sum(dtype=acc)
+    if bool(torch.isfinite(total)):  # padded memory is finite: it gets weight 0 exactly
+        return k, v
+    keep = keep[:, :, 0, :, None]  # (B|1, 1, S, 1)
     return k.masked_fill(~keep, 0.0), v.masked_fill(~keep, 0.0)
 
 
