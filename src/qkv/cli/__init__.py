@@ -19,7 +19,7 @@ import typing
 __all__ = ["COMMANDS", "UserError", "build_parser", "main"]
 
 #: modules of ``qkv.cli`` that register a command, in ``qkv --help`` order
-COMMANDS = ("demo", "train", "attention", "bench", "generate", "peft")
+COMMANDS = ("demo", "train", "attention", "bench", "generate", "peft", "export")
 
 
 class UserError(Exception):
