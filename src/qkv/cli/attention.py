@@ -6,6 +6,13 @@ Inputs are framed as in training (``qkv.train.data``): an encoder-decoder reads 
 eos and its decoder is fed bos + target (generated greedily when --target is not given); a
 GPT trained on pairs reads bos + input + eos (+ target, or its own greedy answer); a BERT
 reads bos + input [+ " " + target] + eos; models trained on plain text read the text as is.
+
+A CLIP run (``qkv train --model clip``, ``qkv demo clip``) reads an image instead: ``--image
+PATH`` (resized and centre-cropped to the model's size) or, for a shapes run, test image
+``--index I`` of the run's seed (default 0). Its image tower's attention is drawn as the
+attention rollout over the patches (Abnar & Zuidema 2020; ``qkv.viz.patches``) on the image,
+each layer's class-token attention on the image, and the layers × heads grid; ``--input``
+adds the text tower's attention on that text.
 """
 
 from __future__ import annotations
@@ -31,10 +38,16 @@ EXAMPLES = """examples:
         only the last layer's head 0 in the PNG grids (the HTML keeps every layer and head)
   qkv attention runs/lm --input "the cat sat on the mat"
         a GPT or BERT run: its self-attention
+  qkv attention runs/clip --index 3
+        a CLIP run on shapes: attention rollout over test image 3's patches
+  qkv attention runs/clip --image photo.png --input "a photo of a red circle"
+        a CLIP run on your image, and the text tower's attention on a caption
 
 writes DIR/attention_<map>.png for each map (encoder, decoder, cross), DIR/attention_
 alignment.png (encoder-decoder: cross-attention averaged over heads) and DIR/attention.html
-(open it in a browser; it needs no network). DIR (--out, default RUN/attention) must be new,
+(open it in a browser; it needs no network). A CLIP run: DIR/attention_rollout.png,
+DIR/attention_patches.png, DIR/attention_vision.png (+ attention_text.png with --input),
+DIR/attention.html. DIR (--out, default RUN/attention) must be new,
 empty, or hold only these files of an earlier run (they are replaced); never inside a
 training checkpoint directory (given RUN/checkpoint, the default is RUN/attention).
 """
@@ -47,7 +60,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", metavar="RUN", help="a run directory of `qkv train` (or a "
                    "checkpoint directory with config.json, model.safetensors, tokenizer.json)")
-    p.add_argument("--input", required=True, metavar="TEXT", help="the input (source) text")
+    p.add_argument("--input", default=None, metavar="TEXT",
+                   help="the input (source) text (required, except for a CLIP run: there, a "
+                        "caption whose text-tower attention is drawn too)")
+    p.add_argument("--image", default=None, metavar="PATH",
+                   help="CLIP runs: the image (PNG, JPEG, ...; resized and centre-cropped to "
+                        "the model's size)")
+    p.add_argument("--index", type=int_in(0), default=None, metavar="I",
+                   help="CLIP runs on the shapes task: test image I of the run's seed "
+                        "(default 0 when --image is not given)")
     p.add_argument("--target", default=None, metavar="TEXT",
                    help="the target text, teacher-forced (default for an encoder-decoder or "
                         "a GPT trained on pairs: the model's own greedy output)")
@@ -160,13 +181,24 @@ def _run(args: argparse.Namespace) -> int:
     from .checks import check_fits
     from .generate import warn_unknown
 
-    if not args.input.strip():
+    if args.input is not None and not args.input.strip():
         raise UserError("--input is empty")
     if args.target is not None and not args.target.strip():
         raise UserError("--target is empty (leave it out to generate the target)")
     run = Path(args.run)
     model, tok = load_run(run)
     model.eval()
+    from ..models import CLIP
+
+    if isinstance(model, CLIP):
+        return _run_clip(args, run, model, tok)
+    if args.image is not None or args.index is not None:
+        what = "--image" if args.image is not None else "--index"
+        raise UserError(f"{what}: {run} is a {type(model).__name__} run, which reads text; "
+                        f"--image / --index are for CLIP runs")
+    if args.input is None:
+        raise UserError(f"--input is required: {run} is a {type(model).__name__} run, which "
+                        f"reads text")
     from ..peft import PrefixAttention
 
     if any(isinstance(m, PrefixAttention) and m.active is not None for m in model.modules()):
@@ -214,6 +246,140 @@ def _run(args: argparse.Namespace) -> int:
     written.append(attention_html(maps, tokens=labels, path=out / "attention.html",
                                   title=f"qkv attention: {args.input}", layer=layer,
                                   head=head))
+    for path in written:
+        print(path)
+    return 0
+
+
+# --- CLIP runs: attention over image patches --------------------------------------------
+def _clip_image(args: argparse.Namespace, run: Path, model: nn.Module) -> tuple[Any, str]:
+    """The image of ``--image`` / ``--index``: (3, S, S) float in [0, 1] at the model's
+    image size S, and a description of where it came from."""
+    from ..data.image_preprocess import preprocess_image
+    from ..train.checkpoint import read_run_info
+    from . import UserError
+
+    size = int(model.config.vision.image_size)
+    if args.image is not None:
+        if args.index is not None:
+            raise UserError(f"--image {args.image} and --index {args.index}: give one of them")
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(args.image) as im:
+                im.load()
+                picture = im.convert("RGB")
+        except FileNotFoundError:
+            raise UserError(f"--image {args.image}: no such file") from None
+        except (UnidentifiedImageError, OSError) as exc:
+            raise UserError(f"--image {args.image}: not an image Pillow can read "
+                            f"({exc})") from None
+        unit = preprocess_image(picture, size, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
+        return unit.clamp(0.0, 1.0), str(args.image)
+    info = read_run_info(run)
+    if info.get("task") != "shapes":
+        raise UserError(f"{run} was not trained on the shapes task (task "
+                        f"{info.get('task')!r}): give an image with --image PATH")
+    from ..data import ShapesDataset
+
+    index = 0 if args.index is None else args.index
+    seed = int(info.get("seed", 0))
+    image, caption, _ = ShapesDataset("test", size=index + 1, image_size=size, seed=seed,
+                                      language="en")[index]
+    return image, f"shapes test image {index} (seed {seed}): {caption!r}"
+
+
+def _zero_shot_line(model: nn.Module, tok: Any, pixel_values: Any) -> str:
+    """"zero-shot: <prompt> (cosine c)" for a shapes run's image: the nearest of the 30
+    combinations' English prompt ensembles."""
+    import torch.nn.functional as F
+
+    from ..data.shapes import class_prompts
+    from ..demos.clip import zero_shot_class_weights
+
+    weights = zero_shot_class_weights(model, tok, "en")  # (K, E)
+    image = F.normalize(model.encode_image(pixel_values).float(), dim=-1)  # (1, E)
+    scores = (image @ weights.t())[0]  # (K,)
+    best = int(scores.argmax())
+    return f"zero-shot: {class_prompts(language='en')[best]} (cosine {float(scores[best]):.3f})"
+
+
+def _run_clip(args: argparse.Namespace, run: Path, model: nn.Module, tok: Any) -> int:
+    """``qkv attention`` on a CLIP run (see the module docstring)."""
+    import torch
+
+    from ..outputs import new_output_dir
+    from ..train.checkpoint import read_run_info
+    from ..train.kinds.clip import encode_texts, to_pixel_values
+    from ..viz import attention_html, plot_attention_grid
+    from ..viz.patches import attention_rollout, draw_image_grid, draw_patch_attention
+    from . import UserError
+
+    if args.target is not None:
+        raise UserError(f"--target {args.target!r}: a CLIP run has no target; give a caption "
+                        f"with --input")
+    vision, text = model.config.vision, model.config.text
+    n_layers = vision.num_layers if args.input is None else min(vision.num_layers,
+                                                                 text.num_layers)
+    n_heads = vision.num_heads if args.input is None else min(vision.num_heads, text.num_heads)
+    layer = _index("layer", args.layer, n_layers)
+    head = _index("head", args.head, n_heads)
+    image, source = _clip_image(args, run, model)
+    out = new_output_dir(Path(args.out) if args.out is not None else default_out(run),
+                         replaceable=ATTENTION_FILES)
+    pixel_values = to_pixel_values(image[None])  # (1, 3, S, S)
+    with torch.no_grad():
+        vis = model.vision(pixel_values, output_attentions=True)
+        weights = torch.stack(vis.attentions)[:, 0].float()  # (L, H, T, T)
+        rollout = attention_rollout(vis.attentions)[0]  # (gh, gw)
+        print(f"image: {source}")
+        if read_run_info(run).get("task") == "shapes":
+            print(_zero_shot_line(model, tok, pixel_values))
+    gh, gw = rollout.shape
+    grid_name = f"{gh}×{gw} patches of {vision.patch_size} px"
+    written = [draw_patch_attention(image, rollout, out / "attention_rollout.png",
+                                    title=f"attention rollout over {grid_name}")]
+    # each layer's class-token row over the patches (mean of heads, or --head), then rollout
+    layers = range(vision.num_layers) if layer is None else [layer % vision.num_layers]
+    rows = [weights[lay, :, 0, 1:].mean(dim=0) if head is None else weights[lay, head, 0, 1:]
+            for lay in layers]  # (gh·gw,) each
+    who = "mean of heads" if head is None else f"head {head % vision.num_heads}"
+    maps = [r.reshape(gh, gw) for r in rows] + [rollout]
+    captions = [f"layer {lay}, class token ({who})" for lay in layers] + ["rollout"]
+    written.append(draw_image_grid([image] * len(maps), out / "attention_patches.png",
+                                   captions=captions, maps=maps, title="image tower"))
+    tokens = ["[cls]"] + [f"r{i}c{j}" for i in range(gh) for j in range(gw)]
+    written.append(plot_attention_grid(
+        weights, query_tokens=tokens, key_tokens=tokens, path=out / "attention_vision.png",
+        title=f"image tower attention: {source}", layers=None if layer is None else [layer],
+        heads=None if head is None else [head]))
+    maps_html = {"vision": weights}
+    labels = {"vision": (tokens, tokens)}
+    if args.input is not None:
+        from .generate import warn_unknown
+
+        warn_unknown(tok, [args.input])
+        ids, mask = encode_texts(tok, [args.input])
+        if ids.shape[1] > text.max_len:
+            raise UserError(f"--input is {ids.shape[1]} tokens with bos and eos, beyond the "
+                            f"text tower's max_len={text.max_len}")
+        with torch.no_grad():
+            txt = model.text(ids, mask, output_attentions=True)
+            similarity = float(torch.nn.functional.cosine_similarity(
+                model.encode_image(pixel_values), model.encode_text(ids, mask)))
+        print(f"cosine similarity of the image and {args.input!r}: {similarity:.3f}")
+        text_weights = torch.stack(txt.attentions)[:, 0].float()  # (L, H, N, N)
+        text_tokens = tok.tokens(ids[0].tolist())
+        written.append(plot_attention_grid(
+            text_weights, query_tokens=text_tokens, key_tokens=text_tokens,
+            path=out / "attention_text.png", title=f"text tower attention: {args.input}",
+            layers=None if layer is None else [layer], heads=None if head is None else [head]))
+        maps_html["text"] = text_weights
+        labels["text"] = (text_tokens, text_tokens)
+    else:  # an earlier run's text map would be taken for this one's
+        (out / "attention_text.png").unlink(missing_ok=True)
+    written.append(attention_html(maps_html, tokens=labels, path=out / "attention.html",
+                                  title=f"qkv attention: {source}", layer=layer, head=head))
     for path in written:
         print(path)
     return 0

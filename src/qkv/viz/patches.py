@@ -13,6 +13,9 @@ Hi / Wi image height / width in pixels.
 - ``draw_patch_attention(image, grid, path)``: a PNG, the image beside the overlay.
 - ``draw_image_grid(images, path, captions=..., maps=...)``: a PNG grid of images (with
   their overlays when maps are given) captioned underneath.
+- ``draw_similarity(images, captions, similarity, path)``: a PNG of an image × text
+  similarity matrix (CLIP's), the images as thumbnails above their columns, the texts
+  labelling the rows.
 
 Functions take tensors (e.g. ``ViT(..., output_attentions=True).attentions``), never models.
 Drawing follows ``qkv.viz.plots``: matplotlib's Agg canvas (no pyplot), CJK-capable fonts,
@@ -35,7 +38,7 @@ from ._io import write_output
 from .fonts import display_token, plot_context
 
 __all__ = ["attention_rollout", "cls_attention", "draw_image_grid", "draw_patch_attention",
-           "overlay_attention"]
+           "draw_similarity", "overlay_attention"]
 
 _DPI = 100
 
@@ -389,4 +392,93 @@ def draw_image_grid(images: Tensor | Sequence[object], path: str | os.PathLike, 
                 ax.set_xlabel(_caption_text(captions[k], 28), fontsize=7, parse_math=False)
         if title:
             fig.suptitle(display_token(title), parse_math=False)
+        return _save(fig, path)
+
+
+def draw_similarity(images: Tensor | Sequence[object], captions: Sequence[str],
+                    similarity: Tensor | np.ndarray, path: str | os.PathLike, *,
+                    title: str | None = None, cmap: str = "viridis") -> Path:
+    """Write a PNG of an image × text similarity matrix (as OpenAI's CLIP notebook draws
+    it): one column per image, its thumbnail above the column, one row per text, each cell
+    coloured by and labelled with its value.
+
+    Args:
+        images: (B, 3, Hi, Wi) (uint8 or float in [0, 1]) or B images as
+            ``overlay_attention`` takes.
+        captions: K strings (the rows' labels).
+        similarity: (B, K) values, e.g. cosine similarities of image and text embeddings;
+            drawn transposed (texts are rows).
+        path: the PNG to write (parent folders are created; written atomically).
+        title: a title above the matrix. cmap: a matplotlib colormap name.
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        TypeError / ValueError naming ``images``, ``captions`` or ``similarity``: wrong
+        types, a similarity that is not (B, K) or not finite.
+    """
+    import matplotlib
+
+    fn = "draw_similarity"
+    if isinstance(images, Tensor):
+        if images.dim() != 4:
+            raise ValueError(f"{fn}: images must be (B, 3, H, W), got shape "
+                             f"{tuple(images.shape)}")
+        items = list(images)
+    elif isinstance(images, Sequence) and not isinstance(images, (str, bytes)):
+        items = list(images)
+    else:
+        raise TypeError(f"{fn}: images must be a (B, 3, H, W) tensor or a list of images, got "
+                        f"{type(images).__name__}")
+    if isinstance(captions, (str, bytes)) or not isinstance(captions, Sequence):
+        raise TypeError(f"{fn}: captions must be a list of strings, got "
+                        f"{type(captions).__name__}")
+    if isinstance(similarity, Tensor):
+        sim = similarity.detach().to("cpu", torch.float64).numpy()
+    elif isinstance(similarity, np.ndarray):
+        sim = similarity.astype(np.float64)
+    else:
+        raise TypeError(f"{fn}: similarity must be a (B, K) tensor or array, got "
+                        f"{type(similarity).__name__}")
+    b, k = len(items), len(captions)
+    if b == 0 or k == 0:
+        raise ValueError(f"{fn}: need at least one image and one caption, got {b} and {k}")
+    if sim.shape != (b, k):
+        raise ValueError(f"{fn}: similarity must be (B, K) = ({b}, {k}) for {b} images and "
+                         f"{k} captions, got shape {tuple(sim.shape)}")
+    if not np.isfinite(sim).all():
+        raise ValueError(f"{fn}: similarity holds NaN or inf")
+    try:
+        colormap = matplotlib.colormaps[cmap]
+    except (KeyError, TypeError):
+        raise ValueError(f"{fn}: cmap must be a matplotlib colormap name, got {cmap!r}") from None
+    pictures = [_image_u8(fn, im) for im in items]  # (Hi, Wi, 3) each
+    labels = [display_token(str(c)) for c in captions]
+    lo, hi = float(sim.min()), float(sim.max())
+    cell = 0.42  # inches per matrix cell; the text labels take about 3.2 inches
+    width = 3.2 + cell * b
+    height = 1.2 + cell * k + (0.4 if title else 0.0)
+    with plot_context():
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(width, height), layout="constrained")
+        ax = fig.subplots()
+        ax.imshow(sim.T, cmap=colormap, vmin=lo, vmax=hi, interpolation="nearest",
+                  aspect="auto")  # the figure's size makes the cells about square
+        mid = (lo + hi) / 2
+        for i in range(b):
+            for j in range(k):
+                ax.text(i, j, f"{sim[i, j]:.2f}", ha="center", va="center", fontsize=6,
+                        color="black" if sim[i, j] > mid else "white")
+            ax.imshow(pictures[i], extent=(i - 0.45, i + 0.45, -0.6, -1.5),
+                      interpolation="nearest", aspect="auto")
+        ax.set_xlim(-0.5, b - 0.5)
+        ax.set_ylim(k - 0.5, -1.6)
+        ax.set_xticks([])
+        ax.set_yticks(range(k), labels, fontsize=7)
+        for side in ("top", "right", "bottom", "left"):
+            ax.spines[side].set_visible(False)
+        if title:
+            ax.set_title(display_token(title), fontsize=9, parse_math=False)
         return _save(fig, path)
