@@ -7,9 +7,11 @@ Shapes: N prompt length, T new tokens, C width, L layers, H heads, V vocab.
    mode. An HF ``GPT2LMHeadModel`` with random weights is saved with safetensors and loaded
    into qkv with ``GPT.from_hf`` (the same weights); a deep copy is quantized. Contenders:
    HF ``generate``; ``qkv.generate`` (fp32, its fast decode step); the int8 model through
-   ``qkv.generation.fast_int8.Int8GPTStepper`` (prefill + T - 1 steps + argmax: the decode
-   alone, no search loop — what ``qkv.generate`` will call once it dispatches int8 GPTs
-   there); the int8 model through ``qkv.generate`` today (the generic stepper calling the
+   ``qkv.generate`` (which dispatches it to ``qkv.generation.fast_int8.Int8GPTStepper``, with
+   the fused C int8 layer of ``qkv.generation.int8_kernel`` when it builds here); the int8
+   step alone (prefill + T - 1 steps + argmax, no search loop) with the fused kernel and with
+   the plain torch ops (``kernel=False``, each layer ~7 ops through ``torch._int_mm``);
+   the int8 model's modules through the generic stepper (``GPTStepper``, calling the
    ``QuantizedLinear`` modules). Rounds alternate (the order flips each repeat) for each
    thread count of ``--threads``; the table shows the median and best tokens/s and the ratios
    to qkv fp32 and HF, and with 1 thread the same from the process's CPU time (a shared
@@ -46,7 +48,9 @@ import torch
 
 from benchmarks._harness import print_table
 from qkv import generate, quantize
+from qkv.generation import int8_kernel
 from qkv.generation.fast_int8 import Int8GPTStepper
+from qkv.generation.steppers import GPTStepper
 from qkv.models import GPT
 
 
@@ -66,12 +70,15 @@ def build(args) -> tuple[torch.nn.Module, GPT, GPT]:
     return hf, model, quantize(copy.deepcopy(model), "int8")
 
 
-def int8_decode(model: GPT, ids: torch.Tensor, tokens: int):
-    """The int8 decode alone: prefill + ``tokens`` - 1 steps, argmax; returns (1, T) ids."""
+def int8_decode(model: GPT, ids: torch.Tensor, tokens: int, kernel: bool | None = None,
+                generic: bool = False):
+    """The int8 decode alone: prefill + ``tokens`` - 1 steps, argmax; returns (1, T) ids.
+    ``generic``: through ``GPTStepper`` (the modules) instead of ``Int8GPTStepper``."""
 
     def run() -> torch.Tensor:
         with torch.inference_mode():
-            stepper = Int8GPTStepper(model, ids, None, tokens)
+            stepper = (GPTStepper(model, ids, None, tokens, True) if generic else
+                       Int8GPTStepper(model, ids, None, tokens, kernel=kernel))
             logits, out = stepper.prefill(), []
             for i in range(tokens):
                 out.append(logits.argmax(dim=-1))
@@ -100,15 +107,23 @@ def decode_speed(args) -> None:
             ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=t,
             min_new_tokens=t, pad_token_id=0),
         "qkv.generate fp32": lambda: generate(fp32, ids, max_new_tokens=t, eos_token_id=None),
-        "int8 Int8GPTStepper": int8_decode(int8, ids, t),
-        "int8 qkv.generate (generic)": lambda: generate(int8, ids, max_new_tokens=t,
-                                                       eos_token_id=None),
+        "int8 qkv.generate": lambda: generate(int8, ids, max_new_tokens=t, eos_token_id=None),
+        "int8 step, torch ops": int8_decode(int8, ids, t, kernel=False),
+        "int8 step, generic stepper": int8_decode(int8, ids, t, generic=True),
     }
+    if int8_kernel.load() is not None:
+        fns["int8 step, C kernel"] = int8_decode(int8, ids, t, kernel=True)
+    print("fused int8 C kernel: " + ("built and loaded" if "int8 step, C kernel" in fns else
+                                     "not available here (qkv.generate uses the torch ops)"))
     check = min(t, 16)
-    same = torch.equal(int8_decode(int8, ids, check)(), uncached_greedy(int8, ids, check))
+    slow = uncached_greedy(int8, ids, check)
+    same = all(torch.equal(int8_decode(int8, ids, check, kernel=k)(), slow)
+               for k in ([False, True] if int8_kernel.load() is not None else [False]))
+    same = same and torch.equal(fns["int8 qkv.generate"]()[:, -t:][:, :check], slow)
     with torch.inference_mode():
-        agree = (fns["int8 Int8GPTStepper"]()[0] == fns["qkv.generate fp32"]()[0, -t:]).float()
-    print(f"int8 step == int8 uncached forward on the first {check} tokens: {same}; "
+        agree = (fns["int8 qkv.generate"]()[0, -t:] == fns["qkv.generate fp32"]()[0, -t:]).float()
+    print(f"int8 qkv.generate and int8 steps == int8 uncached forward on the first {check} "
+          f"tokens: {same}; "
           f"int8 tokens equal to fp32's: {agree.mean().item():.0%} (random weights: the "
           f"argmax of nearly flat logits, not a quality measure)")
     threads0 = torch.get_num_threads()

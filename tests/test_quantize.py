@@ -109,7 +109,7 @@ def _oracle_linear(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("m,k,n", [(1, 24, 80), (7, 17, 5), (2, 384, 1152)])
+@pytest.mark.parametrize("m,k,n", [(1, 24, 80), (7, 17, 5), (2, 384, 1152), (3, 1, 4)])
 def test_quantized_linear_vs_int_oracle_and_fp32_bound(m, k, n, bias):
     torch.manual_seed(3)
     lin = nn.Linear(k, n, bias=bias)
@@ -323,12 +323,138 @@ def test_int8_step_logits_match_module_path():
 def test_generate_works_on_the_generic_path():
     model = quantize(_gpt())
     ids = torch.randint(0, 256, (2, 4))
-    out = qkv.generate(model, ids, max_new_tokens=8)
+    out = qkv.generate(model, ids, max_new_tokens=8, use_cache=False)
     assert torch.equal(out[:, 4:], _uncached_greedy(model, ids, None, 8))
     seq = quantize(_transformer())
     src = torch.randint(3, 32, (2, 6))
     out = qkv.generate(seq, src, max_new_tokens=5, num_beams=2)
     assert out.shape[0] == 2
+
+
+def _spread(model: GPT) -> GPT:
+    with torch.no_grad():  # confident, varied predictions, not a flat 0.02 init
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+            else:
+                p.add_(torch.randn_like(p), alpha=0.1)
+    return model
+
+
+@pytest.fixture
+def int8_spy(monkeypatch):
+    """Counts the Int8GPTStepper objects qkv.generate builds."""
+    from qkv.generation import api
+
+    made = []
+
+    class Spy(Int8GPTStepper):
+        def __init__(self, *args, **kwargs):
+            made.append(self)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(api, "Int8GPTStepper", Spy)
+    return made
+
+
+def test_generate_dispatches_int8_gpt_to_the_int8_step(int8_spy):
+    """qkv.generate on a quantized GPT decodes through Int8GPTStepper, and its tokens are the
+    quantized model's uncached greedy forward (left-padded batch included); beams give what
+    the generic stepper (use_cache=False, module calls) gives."""
+    model = quantize(_spread(_gpt(positions="rope", num_kv_heads=2)))
+    torch.manual_seed(9)
+    ids = torch.randint(0, 256, (3, 6))
+    keep = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1], [0] * 5 + [1]], dtype=torch.bool)
+    ids = ids.masked_fill(~keep, 0)
+    for k in (None, keep):
+        out = qkv.generate(model, ids, attention_mask=k, max_new_tokens=12)
+        assert len(int8_spy) == 1
+        int8_spy.clear()
+        want = _uncached_greedy(model, ids, k, 12)
+        assert torch.equal(out[:, 6:], want)
+        assert len(set(want.flatten().tolist())) > 3
+    beams = qkv.generate(model, ids, attention_mask=keep, max_new_tokens=6, num_beams=3)
+    assert len(int8_spy) == 1
+    int8_spy.clear()
+    slow = qkv.generate(model, ids, attention_mask=keep, max_new_tokens=6, num_beams=3,
+                        use_cache=False)
+    assert torch.equal(beams, slow)
+    assert not int8_spy  # no cache: the generic stepper
+
+
+def test_generate_int8_not_dispatched_with_prompt_lookup_or_fp32(int8_spy):
+    model = quantize(_spread(_gpt()))
+    ids = torch.randint(0, 256, (1, 8))
+    out = qkv.generate(model, ids, max_new_tokens=6, prompt_lookup_num_tokens=3)
+    assert not int8_spy
+    assert torch.equal(out[:, 8:], _uncached_greedy(model, ids, None, 6))
+    qkv.generate(_gpt(), ids, max_new_tokens=2)
+    assert not int8_spy
+
+
+# --- from_pretrained / save_pretrained of quantized directories ------------------------------
+@pytest.mark.parametrize("build", [_gpt, _transformer, _transformer_shared, _bert],
+                         ids=["gpt", "transformer", "transformer-shared", "bert"])
+def test_from_pretrained_gives_the_quantized_model_back(tmp_path, build):
+    model = quantize(build())
+    model.save_pretrained(tmp_path / "q")  # save_pretrained itself writes quantization.json
+    info = json.loads((tmp_path / "q" / QUANT_NAME).read_text())
+    assert info == model.quantization
+    loaded = type(model).from_pretrained(tmp_path / "q")
+    assert loaded.quantization == model.quantization
+    assert sorted(n for n, m in loaded.named_modules() if isinstance(m, QuantizedLinear)) \
+        == sorted(info["modules"])
+    own, back = model.state_dict(), loaded.state_dict()
+    assert own.keys() == back.keys()
+    assert all(torch.equal(own[k], back[k]) and own[k].dtype == back[k].dtype for k in own)
+    assert not loaded.training and not any(p.requires_grad for p in loaded.parameters())
+    torch.manual_seed(10)
+    with torch.no_grad():
+        if isinstance(model, GPT):
+            ids = torch.randint(0, 256, (2, 9))
+            assert torch.equal(loaded(ids), model(ids))
+        elif isinstance(model, Transformer):
+            src, tgt = torch.randint(3, 32, (2, 7)), torch.randint(3, 32, (2, 5))
+            assert torch.equal(loaded(src, tgt), model(src, tgt))
+        else:
+            ids = torch.randint(1, 120, (2, 9))
+            a = model.mlm_logits(model(ids).last_hidden_state)
+            assert torch.equal(loaded.mlm_logits(loaded(ids).last_hidden_state), a)
+
+
+def test_fp32_save_over_a_quantized_directory_removes_the_marker(tmp_path):
+    model = _gpt()
+    ref = copy.deepcopy(model)
+    quantize(model).save_pretrained(tmp_path / "d")
+    assert (tmp_path / "d" / QUANT_NAME).exists()
+    ref.save_pretrained(tmp_path / "d")
+    assert not (tmp_path / "d" / QUANT_NAME).exists()
+    back = GPT.from_pretrained(tmp_path / "d")
+    assert getattr(back, "quantization", None) is None
+    assert all(type(m) is not QuantizedLinear for m in back.modules())
+    ids = torch.randint(0, 256, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(back(ids), ref(ids))
+
+
+def test_from_pretrained_refuses_bad_quantized_directories(tmp_path):
+    model = quantize(_gpt())
+    model.save_pretrained(tmp_path / "q")
+    with pytest.raises(CheckpointError, match="model_type"):
+        BERT.from_pretrained(tmp_path / "q")
+    path = tmp_path / "q" / QUANT_NAME
+    info = json.loads(path.read_text())
+    path.write_text(json.dumps({**info, "quant_method": "gptq"}))
+    with pytest.raises(CheckpointError, match="unknown quantization 'gptq'"):
+        GPT.from_pretrained(tmp_path / "q")
+    path.write_text(json.dumps({**info, "modules": info["modules"][:-1]}))
+    with pytest.raises(CheckpointError, match="int8 modules"):
+        GPT.from_pretrained(tmp_path / "q")
+    _gpt().save_pretrained(tmp_path / "fp")  # fp32 weights under a (copied) marker
+    path_fp = tmp_path / "fp" / QUANT_NAME
+    path_fp.write_text(json.dumps(info))
+    with pytest.raises(CheckpointError, match="does not match"):
+        GPT.from_pretrained(tmp_path / "fp")
 
 
 def test_eligible_refuses_fp32_and_other_models():

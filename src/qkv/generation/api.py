@@ -15,6 +15,8 @@ from torch import Tensor, nn
 
 from ..models.transformer import Transformer
 from .fast_gpt import FastGPTStepper, eligible
+from .fast_int8 import Int8GPTStepper
+from .fast_int8 import eligible as int8_eligible
 from .multi_token_gpt import MultiTokenGPTStepper
 from .prompt_lookup import DEFAULT_NGRAM, NgramIndex, prompt_lookup_greedy
 from .search import beam_search, greedy_or_sample
@@ -296,6 +298,8 @@ def _generate_decoder(model, ids, attention_mask, max_new_tokens, num_beams, len
             stepper = MultiTokenGPTStepper(model, rows_ids, rows_keep, n + max_new_tokens)
         elif fast:
             stepper = FastGPTStepper(model, rows_ids, rows_keep, max_new_tokens)
+        elif use_cache and lookup is None and int8_eligible(model):  # qkv.quantize'd GPT
+            stepper = Int8GPTStepper(model, rows_ids, rows_keep, max_new_tokens)
         else:
             stepper = GPTStepper(model, rows_ids, rows_keep, max_new_tokens, use_cache)
         if lookup is not None:

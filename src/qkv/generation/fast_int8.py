@@ -32,7 +32,8 @@ from ..modules.cache import KVCache
 from ..modules.feedforward import ACTIVATIONS, FeedForward
 from ..modules.layers import EncoderLayer
 from ..modules.norms import LayerNorm
-from .quantize import QuantizedLinear, int8_linear, scale127
+from ..modules.quantized import QuantizedLinear, int8_linear, scale127
+from . import int8_kernel
 
 __all__ = ["Int8GPTStepper", "eligible"]
 
@@ -84,10 +85,15 @@ class Int8GPTStepper:
         ids: (R, N) left-padded prompts.
         keep: (R, N) bool, True = real token, or None when nothing is padded.
         max_new_tokens: T; the caches hold N + T positions.
+        kernel: the fused C int8 layer (``qkv.generation.int8_kernel``: quantize, int8 dot
+            products and epilogue in one call, into preallocated buffers) for every int8
+            layer of ``step``: True (an error when it cannot be built here), False (the torch
+            ops of ``int8_linear``), None (default: the kernel when it builds and loads, else
+            the torch ops). Both compute the same numbers.
     """
 
     def __init__(self, model: GPT, ids: Tensor, keep: Tensor | None,
-                 max_new_tokens: int) -> None:
+                 max_new_tokens: int, *, kernel: bool | None = None) -> None:
         if not eligible(model):
             raise TypeError("Int8GPTStepper: model must be a plain GPT quantized with "
                             "qkv.quantize(model, 'int8') (see fast_int8.eligible)")
@@ -122,6 +128,61 @@ class Int8GPTStepper:
                                    device=ids.device)  # (R, 1, 1, S) for SDPA
             self.mask[:, 0, 0, :n] = keep
             self.real = keep.sum(dim=1)
+        self.kernel = None
+        if kernel is not False and ids.device.type == "cpu":
+            self.kernel = int8_kernel.load()
+        if kernel and self.kernel is None:
+            raise RuntimeError("Int8GPTStepper: kernel=True but the fused int8 kernel cannot "
+                               "be built or loaded here (a C compiler, Linux; QKV_INT8_KERNEL "
+                               "not 0)")
+        if self.kernel is not None:
+            self._prepare_kernel(model)
+
+    def _prepare_kernel(self, model: GPT) -> None:
+        """Raw pointers of every int8 layer's tensors and of preallocated outputs/scratch
+        (the tensors are kept alive by this object)."""
+        rows = self.rows
+        self.keep_alive = []
+
+        def ptr(t: Tensor | None) -> int | None:
+            if t is None:
+                return None
+            t = t.contiguous()
+            self.keep_alive.append(t)
+            return t.data_ptr()
+
+        def layer(lin: QuantizedLinear, out: Tensor | None) -> tuple:
+            # (w, N, K, s/127, bias, out): out None = a new tensor each call
+            return (ptr(lin.weight_int8), lin.out_features, lin.in_features,
+                    ptr(scale127(lin.weight_scale)), ptr(lin.bias), out)
+
+        widest_k = max(m.in_features for m in model.modules() if type(m) is QuantizedLinear)
+        widest_n = max(m.out_features for m in model.modules() if type(m) is QuantizedLinear)
+        self.xq = torch.empty(rows, widest_k, dtype=torch.int8)  # (R, K) scratch
+        self.acc = torch.empty(rows, widest_n, dtype=torch.int32)  # (R, N) scratch
+        self.amax = torch.empty(rows)  # (R,) scratch
+        self.scratch = (self.xq.data_ptr(), self.acc.data_ptr(), self.amax.data_ptr())
+        self.klayers = []
+        for lyr in model.layers:
+            a, f = lyr.attn, lyr.ffn
+            proj = torch.empty(rows, a.in_proj.out_features)  # (R, (H + 2·Hkv)·D)
+            hidden = torch.empty(rows, f.fc_in.out_features)  # (R, F)
+            self.klayers.append((layer(a.in_proj, proj), layer(a.out_proj, None),
+                                 layer(f.fc_in, hidden), layer(f.fc_out, None)))
+        self.khead = layer(model.lm_head, None)
+
+    def _linear(self, x: Tensor, spec: tuple, res: Tensor | None = None) -> Tensor:
+        """One fused int8 layer: x (R, K) fp32 contiguous -> (R, N) (+ res, written in place
+        into res when given)."""
+        w, n, k, s, b, out = spec
+        if res is not None:
+            out = res  # the C loop reads res[j] before it writes y[j]: in place is exact
+        elif out is None:
+            out = torch.empty(x.shape[0], n)
+        xq, acc, amax = self.scratch
+        self.kernel(x.data_ptr(), x.shape[0], k, w, n, s, b,
+                    None if res is None else res.data_ptr(), out.data_ptr(), xq, acc, amax)
+        return out
 
     def prefill(self) -> Tensor:
         """Run the prompt through the model (filling the caches); logits (R, V)."""
@@ -146,6 +207,8 @@ class Int8GPTStepper:
                 x = x + self.pos_table.index_select(0, pos)
         mask = None if self.mask is None else self.mask[..., :s]  # (R, 1, 1, S)
         width = (self.width,)
+        if self.kernel is not None:
+            return self._step_kernel(x.contiguous(), t, s, rope_pos, mask)
         for (w1, b1, e1, q_in, s_in, b_in, q_out, s_out, b_out, w2, b2, e2, q_fc, s_fc, b_fc,
              q_proj, s_proj, b_proj), cache in zip(self.layers, self.cache, strict=True):
             h = F.layer_norm(x, width, w1, b1, e1)
@@ -165,6 +228,31 @@ class Int8GPTStepper:
             f = self.act(int8_linear(h, q_fc, s_fc, b_fc))  # (R, F)
             x = int8_linear(f, q_proj, s_proj, b_proj).add_(x)  # (R, C)
         return int8_linear(F.layer_norm(x, width, *self.norm), *self.head)  # (R, V)
+
+    def _step_kernel(self, x: Tensor, t: int, s: int, rope_pos: Tensor | None,
+                     mask: Tensor | None) -> Tensor:
+        """``step``'s layers with the fused int8 kernel; x (R, C) the embedded tokens."""
+        rows, hd = self.rows, self.heads * self.head_dim
+        kvd = self.kv_heads * self.head_dim
+        width = (self.width,)
+        for (w1, b1, e1, *_a, w2, b2, e2, _f1, _f2, _f3, _p1, _p2, _p3), specs, cache in zip(
+                self.layers, self.klayers, self.cache, strict=True):
+            k_in, k_out, k_fc, k_proj = specs
+            proj = self._linear(F.layer_norm(x, width, w1, b1, e1), k_in)  # (R, (H+2Hkv)·D)
+            q = proj[:, :hd].view(rows, self.heads, 1, self.head_dim)  # (R, H, 1, D)
+            k = proj[:, hd:hd + kvd].view(rows, self.kv_heads, 1, self.head_dim)
+            v = proj[:, hd + kvd:].view(rows, self.kv_heads, 1, self.head_dim)
+            if self.rope is not None:
+                q, k = self.rope.rotate(q, rope_pos), self.rope.rotate(k, rope_pos)
+            cache.keys[:, :, t:s] = k
+            cache.values[:, :, t:s] = v
+            a = F.scaled_dot_product_attention(
+                q, cache.keys[:, :, :s], cache.values[:, :, :s], attn_mask=mask,
+                enable_gqa=self.gqa)  # (R, H, 1, D)
+            x = self._linear(a.reshape(rows, hd).contiguous(), k_out, res=x)  # (R, C)
+            f = self.act(self._linear(F.layer_norm(x, width, w2, b2, e2), k_fc))  # (R, F)
+            x = self._linear(f.contiguous(), k_proj, res=x)  # (R, C)
+        return self._linear(F.layer_norm(x, width, *self.norm), self.khead)  # (R, V)
 
     def reorder(self, idx: Tensor) -> None:
         """Row r continues from row ``idx[r]``."""

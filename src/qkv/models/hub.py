@@ -26,6 +26,7 @@ C = TypeVar("C", bound="ModelConfig")
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 PICKLE_NAME = "pytorch_model.bin"
+QUANT_NAME = "quantization.json"  # beside config.json for a model quantized with qkv.quantize
 
 
 class CheckpointError(ValueError):
@@ -184,22 +185,34 @@ class PretrainedMixin:
     tied_keys: ClassVar[tuple[str, ...]] = ()
 
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
-        """Write config.json and model.safetensors into ``directory`` (created if needed)."""
+        """Write config.json and model.safetensors into ``directory`` (created if needed).
+
+        A model quantized with ``qkv.quantize`` also gets quantization.json (its
+        ``model.quantization``; ``from_pretrained`` then rebuilds the int8 layers); saving an
+        unquantized model removes a quantization.json left there by an earlier save."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        quant = getattr(self, "quantization", None)
+        stale = directory / QUANT_NAME
+        if quant is None and stale.exists():  # first: fp32 weights never sit beside it
+            stale.unlink()
         state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()
                  if k not in self.tied_keys}
         atomic_write(directory / WEIGHTS_NAME,
                      lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
         text = json.dumps(self.config.to_dict(), indent=2, sort_keys=True)
         atomic_write(directory / CONFIG_NAME, lambda tmp: Path(tmp).write_text(text))
+        if quant is not None:  # last: a save cut short leaves no marker on half the files
+            quant_text = json.dumps(quant, indent=2, sort_keys=True)
+            atomic_write(directory / QUANT_NAME, lambda tmp: Path(tmp).write_text(quant_text))
         return directory
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, *, allow_pickle: bool = False,
                         **kwargs):
         """Load a directory written by ``save_pretrained`` — or a HuggingFace checkpoint
-        directory of a supported architecture (dispatched to ``from_hf``)."""
+        directory of a supported architecture (dispatched to ``from_hf``). A directory with
+        quantization.json (a model saved after ``qkv.quantize``) gives the quantized model."""
         directory = Path(directory)
         data = read_json(directory / CONFIG_NAME)
         if "qkv_version" not in data and hasattr(cls, "from_hf"):
@@ -208,6 +221,11 @@ class PretrainedMixin:
             raise CheckpointError(f"{directory}: config model_type {data.get('model_type')!r}, "
                                   f"expected {cls.config_class.MODEL_TYPE!r}")
         config = cls.config_class.from_dict(data)
+        from .quantized import load_quantized_directory, quantization_info  # models/ imports hub
+
+        info = quantization_info(directory)
+        if info is not None:
+            return load_quantized_directory(cls, directory, config, info, **kwargs)
         model = cls(config, **kwargs)
         state = load_state_dict_file(directory, allow_pickle=allow_pickle)
         for key in model.tied_keys:  # the instance's: ties may depend on the config

@@ -1,0 +1,233 @@
+"""An optional fused int8 linear layer for the int8 decode step (``fast_int8``): one C call
+quantizes the activation rows, takes their int8 dot products with the weight rows and applies
+the epilogue ``acc·(a·s/127) + b`` (+ a residual), where the plain path runs ~7 torch ops.
+
+Shapes: M rows, K input features, N output features.
+
+The C source below is compiled on first use with the system's C compiler (``cc``, else
+``gcc``; ``-O3 -march=native``, about one second) into a cache directory
+(``$QKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/qkv``, else ``~/.cache/qkv``), keyed by a hash of
+the source, the flags, the compiler's version and the CPU's flags, written atomically, and
+loaded with ``ctypes`` (no torch headers, no Python extension build). With AVX-512 VNNI it
+uses ``vpdpbusd`` on |xq| and the weight with xq's signs (exact: |xq|, |Wq| ≤ 127); elsewhere
+plain C loops. The math is ``qkv.modules.quantized.int8_linear``'s, operation for operation
+(the same rounding of ``127·x/a``, the int32 sum is exact, the same fp32 epilogue), so the
+outputs equal the plain path's (the tests check it bit for bit on this machine).
+
+Any failure (no compiler, a compile error, a load error) leaves ``load()`` returning None and
+the caller on the plain torch path. ``QKV_INT8_KERNEL=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+__all__ = ["disabled", "load"]
+
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared"]
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "fn": the loaded function or None once tried
+
+SOURCE = r"""
+#include <stdint.h>
+#include <math.h>
+#include <stddef.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define QKV_VNNI 1
+#endif
+
+/* xq (M, K) int8 and a (M,) from x (M, K) fp32: a = max|x| (at least FLT_MIN),
+   xq = round_half_even((127 * x) / a); a non-finite a gives a zero row. */
+static void quantize_rows(const float *x, int64_t m, int64_t k, int8_t *xq, float *a) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * k;
+        float mx = 0.0f;
+        int nan = 0;
+        for (int64_t i = 0; i < k; i++) {
+            float v = fabsf(xr[i]);
+            nan |= (v != v);
+            mx = v > mx ? v : mx;
+        }
+        if (nan) mx = NAN;
+        if (mx < 1.17549435e-38f) mx = 1.17549435e-38f;
+        a[r] = mx;
+        int8_t *qr = xq + r * k;
+        if (!isfinite(mx)) {
+            for (int64_t i = 0; i < k; i++) qr[i] = 0;
+            continue;
+        }
+        for (int64_t i = 0; i < k; i++) qr[i] = (int8_t)lrintf((127.0f * xr[i]) / mx);
+    }
+}
+
+#ifdef QKV_VNNI
+static inline __m512i dot_step(__m512i acc, __m512i xv, __m512i wv) {
+    __mmask64 neg = _mm512_movepi8_mask(xv);
+    __m512i sw = _mm512_mask_sub_epi8(wv, neg, _mm512_setzero_si512(), wv);
+    return _mm512_dpbusd_epi32(acc, _mm512_abs_epi8(xv), sw);
+}
+#endif
+
+static void dots(const int8_t *xq0, int64_t m, const int8_t *w, int64_t k, int64_t n0,
+                 int64_t n1, int32_t *out0) {
+#ifdef QKV_VNNI
+    int64_t full = k / 64 * 64;
+    __mmask64 tail = k > full ? (~0ULL >> (64 - (k - full))) : 0;
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) {
+        const int8_t *w0 = w + n * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
+        for (int64_t r = 0; r < m; r++) {
+        const int8_t *xq = xq0 + r * k;
+        int32_t *out = out0 + r * n1;
+        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t i = 0; i < full; i += 64) {
+            __m512i xv = _mm512_loadu_si512(xq + i);
+            a0 = dot_step(a0, xv, _mm512_loadu_si512(w0 + i));
+            a1 = dot_step(a1, xv, _mm512_loadu_si512(w1 + i));
+            a2 = dot_step(a2, xv, _mm512_loadu_si512(w2 + i));
+            a3 = dot_step(a3, xv, _mm512_loadu_si512(w3 + i));
+        }
+        if (tail) {
+            __m512i xv = _mm512_maskz_loadu_epi8(tail, xq + full);
+            a0 = dot_step(a0, xv, _mm512_maskz_loadu_epi8(tail, w0 + full));
+            a1 = dot_step(a1, xv, _mm512_maskz_loadu_epi8(tail, w1 + full));
+            a2 = dot_step(a2, xv, _mm512_maskz_loadu_epi8(tail, w2 + full));
+            a3 = dot_step(a3, xv, _mm512_maskz_loadu_epi8(tail, w3 + full));
+        }
+        out[n] = _mm512_reduce_add_epi32(a0);
+        out[n + 1] = _mm512_reduce_add_epi32(a1);
+        out[n + 2] = _mm512_reduce_add_epi32(a2);
+        out[n + 3] = _mm512_reduce_add_epi32(a3);
+        }
+    }
+    for (; n < n1; n++) {
+        const int8_t *w0 = w + n * k;
+        for (int64_t r = 0; r < m; r++) {
+        const int8_t *xq = xq0 + r * k;
+        int32_t *out = out0 + r * n1;
+        __m512i a0 = _mm512_setzero_si512();
+        for (int64_t i = 0; i < full; i += 64)
+            a0 = dot_step(a0, _mm512_loadu_si512(xq + i), _mm512_loadu_si512(w0 + i));
+        if (tail)
+            a0 = dot_step(a0, _mm512_maskz_loadu_epi8(tail, xq + full),
+                          _mm512_maskz_loadu_epi8(tail, w0 + full));
+        out[n] = _mm512_reduce_add_epi32(a0);
+        }
+    }
+#else
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *wr = w + n * k;
+        for (int64_t r = 0; r < m; r++) {
+            const int8_t *xq = xq0 + r * k;
+            int32_t acc = 0;
+            for (int64_t i = 0; i < k; i++) acc += (int32_t)xq[i] * (int32_t)wr[i];
+            out0[r * n1 + n] = acc;
+        }
+    }
+#endif
+}
+
+/* y (M, N) = (xq @ wᵀ) * (a * s127) + bias (+ res): x (M, K) fp32 rows, w (N, K) int8
+   row-major, s127 (N,), bias (N,) or NULL, res (M, N) or NULL (may alias y);
+   scratch: xq (M, K) int8, acc (M, N) int32, a (M,) fp32. */
+int qkv_int8_linear(const float *x, int64_t m, int64_t k, const int8_t *w, int64_t n,
+                    const float *s127, const float *bias, const float *res, float *y,
+                    int8_t *xq, int32_t *acc, float *a) {
+    quantize_rows(x, m, k, xq, a);
+    dots(xq, m, w, k, 0, n, acc);
+    for (int64_t r = 0; r < m; r++) {
+        const int32_t *ac = acc + r * n;
+        float *yr = y + r * n;
+        const float ar = a[r];
+        for (int64_t j = 0; j < n; j++) {
+            /* as torch's addcmul(bias, acc, a·s) and mul(acc, a·s) compute it */
+            float v = bias ? fmaf((float)ac[j], ar * s127[j], bias[j])
+                           : (float)ac[j] * (ar * s127[j]);
+            if (res) v = v + res[r * n + j];
+            yr[j] = v;
+        }
+    }
+    return 0;
+}
+
+int qkv_int8_vnni(void) {
+#ifdef QKV_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
+"""
+
+
+def disabled() -> bool:
+    """True when ``QKV_INT8_KERNEL=0`` (or "false"/"off") turns the fused kernel off."""
+    return os.environ.get("QKV_INT8_KERNEL", "1").strip().lower() in ("0", "false", "off", "no")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("QKV_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "qkv"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE, *_FLAGS, version, _cpu_flags(),
+                                     platform.machine()]).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"int8-linear-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        src = Path(tmp) / "int8_linear.c"
+        src.write_text(SOURCE)
+        lib = Path(tmp) / out.name
+        subprocess.run([compiler, *_FLAGS, "-o", str(lib), str(src), "-lm"], check=True,
+                       capture_output=True, timeout=120)
+        os.replace(lib, out)  # atomic: a reader sees no half-written library
+    return out
+
+
+def load():
+    """The C function ``qkv_int8_linear`` (ctypes; arguments in the source), or None when the
+    kernel is turned off or cannot be built or loaded here. Built once per process."""
+    if disabled():
+        return None
+    with _lock:
+        if "fn" not in _state:
+            _state["fn"] = None
+            compiler = shutil.which("cc") or shutil.which("gcc")
+            if compiler is not None and platform.system() == "Linux":
+                try:
+                    lib = ctypes.CDLL(str(_build(compiler)))
+                    fn = lib.qkv_int8_linear
+                    p, i = ctypes.c_void_p, ctypes.c_int64
+                    fn.argtypes = [p, i, i, p, i, p, p, p, p, p, p, p]
+                    fn.restype = ctypes.c_int
+                    _state["fn"] = fn
+                except (OSError, subprocess.SubprocessError, AttributeError):
+                    _state["fn"] = None
+        return _state["fn"]

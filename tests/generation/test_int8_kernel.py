@@ -1,0 +1,155 @@
+"""The optional fused C int8 layer (``qkv.generation.int8_kernel``): bit-equal to the torch
+ops of ``qkv.modules.quantized.int8_linear`` (K with a tail past the 64-byte blocks, several
+rows, with and without a bias, a residual, zero and NaN rows), the int8 decode step with it
+== without it == the quantized model's uncached greedy forward, and the fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qkv
+from qkv.generation import int8_kernel
+from qkv.generation.fast_int8 import Int8GPTStepper
+from qkv.models import GPT, GPTConfig
+from qkv.modules.quantized import int8_linear, quantize_weight, scale127
+
+KERNEL = int8_kernel.load()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the int8 kernel cannot be built here "
+                                  "(no C compiler, or QKV_INT8_KERNEL=0)")
+
+
+def _call(x, wq, s127, bias, res=None):
+    """The C function on torch tensors: x (M, K) -> (M, N) (+ res, in place)."""
+    m, k = x.shape
+    n = wq.shape[0]
+    y = res if res is not None else torch.empty(m, n)
+    xq = torch.empty(m, k, dtype=torch.int8)
+    acc = torch.empty(m, n, dtype=torch.int32)
+    amax = torch.empty(m)
+    KERNEL(x.data_ptr(), m, k, wq.data_ptr(), n, s127.data_ptr(),
+           None if bias is None else bias.data_ptr(), None if res is None else res.data_ptr(),
+           y.data_ptr(), xq.data_ptr(), acc.data_ptr(), amax.data_ptr())
+    return y
+
+
+@needs_kernel
+@pytest.mark.parametrize("m,k,n", [(1, 384, 1152), (1, 1536, 384), (3, 17, 5), (2, 130, 9),
+                                   (5, 64, 77), (4, 1, 3), (1, 203, 113)])
+def test_kernel_bit_equal_to_the_torch_ops(m, k, n):
+    torch.manual_seed(0)
+    w = torch.randn(n, k) * torch.rand(n, 1)
+    wq, s = quantize_weight(w)
+    s127, b = scale127(s), torch.randn(n)
+    for trial in range(6):
+        x = torch.randn(m, k) * 10.0 ** torch.randn(m, 1)
+        if m > 2 and trial == 0:
+            x[1] = 0.0  # a zero row: the bias alone
+        for bias in (b, None):
+            want = int8_linear(x, wq.t(), s127, bias)
+            assert torch.equal(_call(x, wq, s127, bias), want)
+        res = torch.randn(m, n)
+        want = int8_linear(x, wq.t(), s127, b) + res
+        assert torch.equal(_call(x, wq, s127, b, res=res), want)  # written into res
+
+
+@needs_kernel
+def test_kernel_nan_row_gives_nan_and_leaves_the_others():
+    wq, s = quantize_weight(torch.randn(4, 70))
+    x = torch.randn(2, 70)
+    x[0, 3] = float("nan")
+    b = torch.randn(4)
+    y = _call(x, wq, scale127(s), b)
+    assert bool(y[0].isnan().all())
+    assert torch.equal(y[1], int8_linear(x[1:], wq.t(), scale127(s), b)[0])
+
+
+def _model(**overrides) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("gpt-tiny", **overrides)).eval()
+    with torch.no_grad():  # confident, varied predictions; biases and norms off their init
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+            else:
+                p.add_(torch.randn_like(p), alpha=0.1)
+    return qkv.quantize(model)
+
+
+def _decode(model, ids, keep, steps, kernel):
+    with torch.inference_mode():
+        st = Int8GPTStepper(model, ids, keep, steps, kernel=kernel)
+        logits, out, all_logits = st.prefill(), [], []
+        for i in range(steps):
+            out.append(logits.argmax(-1))
+            if i < steps - 1:
+                logits = st.step(out[-1])
+                all_logits.append(logits.clone())
+    return torch.stack(out, dim=1), torch.stack(all_logits)
+
+
+def _uncached(model, ids, keep, steps):
+    with torch.no_grad():
+        for _ in range(steps):
+            tok = model(ids, attention_mask=keep)[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, tok], dim=1)
+            if keep is not None:
+                keep = torch.cat([keep, torch.ones_like(keep[:, :1])], dim=1)
+    return ids[:, -steps:]
+
+
+@needs_kernel
+@pytest.mark.parametrize("overrides", [{}, {"positions": "rope", "num_kv_heads": 2},
+                                       {"activation": "relu", "bias": False,
+                                        "tie_embeddings": False}],
+                         ids=["learned", "rope-gqa", "relu-nobias-untied"])
+def test_step_with_kernel_equals_plain_step_and_uncached_forward(overrides):
+    model = _model(**overrides)
+    torch.manual_seed(1)
+    keep = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1], [0] * 5 + [1]], dtype=torch.bool)
+    ids = torch.randint(0, 256, (3, 6)).masked_fill(~keep, 0)
+    for k in (None, keep):
+        fast, fast_logits = _decode(model, ids, k, 20, kernel=True)
+        plain, plain_logits = _decode(model, ids, k, 20, kernel=False)
+        assert torch.equal(fast_logits, plain_logits)  # the same numbers, bit for bit
+        assert torch.equal(fast, plain)
+        assert torch.equal(fast, _uncached(model, ids, k, 20))
+        assert len(set(fast.flatten().tolist())) > 3
+
+
+@needs_kernel
+def test_kernel_step_reorder_follows_rows():
+    model = _model()
+    ids = torch.randint(0, 256, (2, 5))
+    with torch.inference_mode():
+        a = Int8GPTStepper(model, ids, None, 4, kernel=True)
+        a.prefill()
+        a.step(torch.tensor([7, 9]))
+        a.reorder(torch.tensor([1, 1]))
+        got = a.step(torch.tensor([3, 3]))
+        b = Int8GPTStepper(model, ids[1:], None, 4, kernel=False)
+        b.prefill()
+        b.step(torch.tensor([9]))
+        want = b.step(torch.tensor([3]))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[0])
+
+
+def test_turned_off_falls_back_or_refuses(monkeypatch):
+    model = _model()
+    ids = torch.randint(0, 256, (1, 3))
+    monkeypatch.setenv("QKV_INT8_KERNEL", "0")
+    assert int8_kernel.disabled() and int8_kernel.load() is None
+    with torch.inference_mode():
+        assert Int8GPTStepper(model, ids, None, 2).kernel is None  # default: the torch ops
+        with pytest.raises(RuntimeError, match="kernel=True"):
+            Int8GPTStepper(model, ids, None, 2, kernel=True)
+    monkeypatch.delenv("QKV_INT8_KERNEL")
+
+
+def test_build_failure_falls_back(monkeypatch, tmp_path):
+    """A compiler that fails leaves load() None (the plain path), not an exception."""
+    monkeypatch.setattr(int8_kernel, "_state", {})
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(int8_kernel, "SOURCE", "this is not C")
+    assert int8_kernel.load() is None
+    assert not list(tmp_path.glob("*.so"))
