@@ -27,6 +27,11 @@ EXAMPLES = """examples:
   qkv train --task dates-long --init-from runs/dates           # full fine-tuning
   torchrun --nproc-per-node 2 -m qkv.cli train --task dates --batch-size 128
   torchrun --nproc-per-node 4 -m qkv.cli train --data pairs.tsv --device cuda   # nccl
+  torchrun --nproc-per-node 8 -m qkv.cli train --fsdp --model gpt --preset gpt2-medium \
+      --data corpus.txt --batch-size 64 --grad-accum 4 --activation-checkpointing \
+      --precision bf16 --device cuda --out runs/big
+  torchrun --nproc-per-node 2 -m qkv.cli train --resume runs/big   # any number of processes
+  qkv export runs/big --out runs/big-model    # plain config.json + model.safetensors
 
 --data: a TSV file (source<TAB>target per line) for --model transformer; plain UTF-8 text for
 gpt / bert-mlm; for clip a folder of images with captions.tsv (file<TAB>caption per line).
@@ -51,6 +56,21 @@ ffn_out), rslora (true/false). --adapters KEYS: reduction_factor, placement (hou
 pfeiffer, parallel), activation, dropout, scaling. --prefix N: N prefix positions per layer.
 Keys are comma-separated KEY=VALUE (--lora alone: the defaults). `qkv peft merge RUN --out
 DIR` folds a LoRA run into a plain model directory.
+
+Scale: --fsdp shards parameters, gradients and AdamW moments over the processes (FSDP2, one
+group per Transformer layer plus the root; also in one process) and writes sharded (DCP)
+checkpoints, one shard per process, that --resume continues on any number of processes;
+`qkv export RUN --out DIR` gathers them into a plain model directory. --batch-size stays the
+examples per optimizer step over all processes; --grad-accum K cuts each process's rows into
+K micro-batches with one gradient sync (the same losses; --batch-size must divide by
+processes x K; not with clip). --activation-checkpointing recomputes each layer in backward
+(the same gradients, less memory). --precision bf16 computes in bf16 with fp32 master weights
+on CUDA (on a CPU it is ~100x slower and refused unless --force-precision; fp16 is refused:
+it needs loss scaling). With --resume, --grad-accum and --activation-checkpointing may change;
+--fsdp and --precision are fixed for a run. Multi-node: torchrun --nnodes N --nproc-per-node
+G --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB (a run directory every node
+sees); QKV_DIST_TIMEOUT (seconds, default 600) bounds every collective, so a rank that dies
+makes the others stop with an error instead of hanging.
 """
 
 #: (flag, TrainConfig field, type, help); every one defaults to the TrainConfig default
@@ -198,6 +218,24 @@ def register(sub: argparse._SubParsersAction) -> None:
                            "placement, activation, dropout, scaling)")
     peft.add_argument("--prefix", type=int_in(1), default=None, metavar="N",
                       help="with --init-from: train N-position key/value prefixes only")
+    scale = p.add_argument_group("scale (see below)")
+    scale.add_argument("--fsdp", action="store_const", const=True, default=None,
+                       help="shard parameters, gradients and optimizer state over the "
+                            "processes (FSDP2); sharded checkpoints that resume on any number "
+                            "of processes")
+    scale.add_argument("--grad-accum", dest="grad_accum", type=int_in(1), default=None,
+                       metavar="K", help="K micro-batches per optimizer step, one gradient "
+                                         "sync (default 1); --batch-size must divide by "
+                                         "processes x K")
+    scale.add_argument("--activation-checkpointing", dest="activation_checkpointing",
+                       action="store_const", const=True, default=None,
+                       help="recompute each layer's activations in backward (less memory, "
+                            "the same gradients)")
+    scale.add_argument("--precision", default=None, choices=("fp32", "bf16", "fp16"),
+                       help="fp32 (default) or bf16 compute with fp32 master weights (CUDA); "
+                            "fp16 is refused (needs loss scaling)")
+    scale.add_argument("--force-precision", action="store_true",
+                       help="allow --precision bf16 on a CPU, where it is ~100x slower")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a model config field (JSON value or a string), repeatable")
     p.add_argument("--out", default=None, help="run directory (default runs/<model>-<data>-"
@@ -229,9 +267,12 @@ def _overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
+#: the scale settings (TrainConfig fields, flags of their own kinds)
+_SCALE = ("fsdp", "grad_accum", "activation_checkpointing", "precision")
 #: TrainConfig field -> the flag that sets it
-_FLAGS = {field: flag for flag, field, _, _ in _SETTINGS} | {"overrides": "--set",
-                                                             "peft": "--lora/--adapters/--prefix"}
+_FLAGS = {field: flag for flag, field, _, _ in _SETTINGS} | {
+    "overrides": "--set", "peft": "--lora/--adapters/--prefix",
+    **{field: "--" + field.replace("_", "-") for field in _SCALE}}
 
 
 def _peft(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -286,18 +327,21 @@ def _train(args: argparse.Namespace) -> int:
 
     given = {field: getattr(args, field) for _, field, _, _ in _SETTINGS
              if getattr(args, field) is not None}
+    scale = {field: getattr(args, field) for field in _SCALE if getattr(args, field) is not None}
     progress = not args.no_progress
     if args.resume:
-        extra = sorted(set(given) - {"steps"}) + (["--set"] if args.overrides else []) + (
-            ["--out"] if args.out else [])
+        extra = sorted(_FLAGS.get(f, f) for f in set(given) - {"steps"}) + (
+            ["--set"] if args.overrides else []) + (["--out"] if args.out else [])
         extra += [f for f in ("--lora", "--adapters", "--prefix")
                   if getattr(args, f[2:]) is not None]
         if extra:
             raise UserError(f"--resume continues a run with its own settings; only --steps may "
-                            f"be given with it (got {', '.join(extra)})")
+                            f"be given with it, and --grad-accum / --activation-checkpointing "
+                            f"(got {', '.join(extra)})")
         trainer = Trainer.resume(args.resume, steps=given.get("steps"), progress=progress,
                                  device=args.device,
-                                 accept_changed_data=args.accept_changed_data)
+                                 accept_changed_data=args.accept_changed_data,
+                                 force_precision=args.force_precision, **scale)
         out = Path(args.resume)
     else:
         if args.accept_changed_data:
@@ -319,10 +363,11 @@ def _train(args: argparse.Namespace) -> int:
                             f"frozen, trained base")
         if "init_from" in given:
             _check_init_from(args, given)
-        config = TrainConfig(**given, overrides=_overrides(args.overrides), peft=peft)
+        config = TrainConfig(**given, **scale, overrides=_overrides(args.overrides), peft=peft)
         stem = Path(config.data).stem if config.data else config.task
         out = Path(args.out or f"runs/{config.model}-{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
-        trainer = Trainer(config, out, progress=progress, device=args.device)
+        trainer = Trainer(config, out, progress=progress, device=args.device,
+                          force_precision=args.force_precision)
     if trainer.world.is_main:
         from ..peft import trainable_summary
 
@@ -333,6 +378,10 @@ def _train(args: argparse.Namespace) -> int:
         print(f"qkv train: {c.model}{adapter} ({n / 1e6:.2f}M parameters){start} on "
               f"{trainer.device}, steps {trainer.step} -> {c.steps}, run directory {out}")
         print(f"qkv train: {trainable_summary(trainer.model)}")
+        if c.fsdp or c.grad_accum > 1 or c.activation_checkpointing or c.precision != "fp32":
+            print(f"qkv train: fsdp {c.fsdp} over {trainer.world.size} process(es), "
+                  f"grad-accum {c.grad_accum}, activation checkpointing "
+                  f"{c.activation_checkpointing}, precision {c.precision}")
     try:
         result = trainer.run()
     except TrainingError as exc:

@@ -170,7 +170,9 @@ def load_run(path: str | os.PathLike) -> tuple[nn.Module, Any]:
     Returns:
         ``(model, tokenizer)``: the model (``Transformer``, ``GPT``, ``BERT`` or ``CLIP``,
         chosen by config.json's ``model_type``: ``MODEL_CLASSES``) in eval mode, and the
-        ``qkv.data`` tokenizer. For a run that trained an adapter (``TrainConfig.peft``):
+        ``qkv.data`` tokenizer. A sharded checkpoint (``--fsdp``) is gathered whole on this
+        process (``qkv.train.sharded_checkpoint.load_sharded_model``; no process group).
+        For a run that trained an adapter (``TrainConfig.peft``):
         its base (base.json) with the adapter attached and active (``qkv.peft``;
         ``disable_adapters`` gives the base).
 
@@ -184,11 +186,18 @@ def load_run(path: str | os.PathLike) -> tuple[nn.Module, Any]:
     ckpt = find_checkpoint(path)
     if is_adapter_checkpoint(ckpt):
         return load_adapter_run(ckpt)
+    if (ckpt / "sharded.json").is_file():  # a --fsdp run: DCP shards, gathered here
+        from .sharded_checkpoint import load_sharded_model
+
+        model = load_sharded_model(ckpt)
+    else:
+        model = None
     model_type = read_json(ckpt / "config.json").get("model_type")
     if model_type not in MODEL_CLASSES:
         raise CheckpointError(f"{ckpt}: model_type {model_type!r} is not a qkv model "
                               f"({sorted(MODEL_CLASSES)})")
-    model = MODEL_CLASSES[model_type].from_pretrained(ckpt)
+    if model is None:
+        model = MODEL_CLASSES[model_type].from_pretrained(ckpt)
     if not (ckpt / "tokenizer.json").is_file():
         raise CheckpointError(f"{ckpt}: tokenizer.json is missing")
     return model, read_tokenizer(ckpt / "tokenizer.json")

@@ -107,6 +107,23 @@ class TrainConfig:
             "prefix", **PrefixConfig fields}`` (``qkv.peft``); stored with every field
             spelled out. Needs ``init_from`` (a frozen random model has nothing to adapt).
             None with ``init_from``: full fine-tuning. (Neither works with clip yet.)
+        fsdp: shard parameters, gradients and optimizer state across the processes with
+            FSDP2 (``qkv.train.sharding``) and write sharded (DCP) checkpoints that resume on
+            any number of processes (``qkv.train.sharded_checkpoint``); also in one process.
+            Fixed for a run (the checkpoint format).
+        grad_accum: K micro-batches per optimizer step, run one after another with one
+            gradient sync: each process's ``batch_size / processes`` rows are cut into K
+            parts (``batch_size`` must divide by processes x K). The losses and gradients are
+            those of the whole batch at once (up to summation order). May change on resume.
+            Refused (> 1) by kinds whose loss couples a batch's examples (clip).
+        activation_checkpointing: keep only each layer's input and recompute the layer in
+            backward (non-reentrant ``torch.utils.checkpoint``): less memory, the same
+            gradients, ~1/3 more compute. May change on resume.
+        precision: "fp32", or "bf16" (CUDA: parameters computed in bf16, fp32 master weights,
+            optimizer state and gradient reductions; FSDP2's ``MixedPrecisionPolicy`` under
+            ``fsdp``, ``torch.autocast`` otherwise). "fp16" is refused for training (it needs
+            loss scaling, which qkv train does not apply). bf16 on a CPU is refused unless
+            forced (``Trainer(force_precision=True)``): ~100x slower here. Fixed for a run.
 
     Every number is checked when the config is made (finite, in range, the right type);
     ``ConfigError`` (a ``ValueError``) names the field and its value.
@@ -137,6 +154,10 @@ class TrainConfig:
     data_fingerprint: dict[str, Any] | None = None
     init_from: str | None = None
     peft: dict[str, Any] | None = None
+    fsdp: bool = False
+    grad_accum: int = 1
+    activation_checkpointing: bool = False
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         def bad(name: str, what: str) -> ConfigError:
@@ -183,8 +204,36 @@ class TrainConfig:
                 isinstance(fp, dict) and set(fp) == {"size", "sha256"} and _is_int(fp["size"])
                 and isinstance(fp["sha256"], str) and len(fp["sha256"]) == 64):
             raise bad("data_fingerprint", 'None or {"size": bytes, "sha256": 64 hex digits}')
+        self._check_scale()
         self._check_finetune()
         get_kind(self.model).check_config(self)  # e.g. a task of another kind
+
+    def _check_scale(self) -> None:
+        from .sharding import PRECISIONS
+
+        for name in ("fsdp", "activation_checkpointing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, f"{name} must be true or false, got "
+                                        f"{getattr(self, name)!r}")
+        if not _is_int(self.grad_accum) or self.grad_accum < 1:
+            raise ConfigError("grad_accum", f"grad_accum must be a positive integer, got "
+                                            f"{self.grad_accum!r}")
+        if self.batch_size % self.grad_accum:
+            raise ConfigError("grad_accum", f"grad_accum {self.grad_accum} does not divide "
+                                            f"batch_size {self.batch_size} (each micro-batch "
+                                            f"takes batch_size / (processes x grad_accum) "
+                                            f"examples per process)")
+        if self.precision not in PRECISIONS:
+            raise ConfigError("precision", f"precision must be one of {tuple(PRECISIONS)}, "
+                                           f"got {self.precision!r}")
+        if self.precision == "fp16":
+            raise ConfigError("precision", "precision 'fp16' needs loss scaling against "
+                                           "gradient underflow, which qkv train does not "
+                                           "apply: use 'bf16' (same memory, fp32's range)")
+        if self.fsdp and self.peft is not None:
+            raise ConfigError("fsdp", "fsdp with an adapter (peft) is not supported yet: its "
+                                      "checkpoint holds the adapter only; train it without "
+                                      "--fsdp")
 
     def _check_finetune(self) -> None:
         if self.init_from is not None and (not isinstance(self.init_from, str)

@@ -2,27 +2,42 @@
 ranks, gradients averaged by ``DistributedDataParallel`` (gloo on CPU, nccl on CUDA: rank r
 uses ``cuda:LOCAL_RANK``).
 
-Single-process runs (no ``WORLD_SIZE`` in the environment) use none of this.
+Single-process runs (no ``WORLD_SIZE`` in the environment) use none of this, except a
+1-process ``--fsdp`` run, which joins a process group of its own (FSDP2 and DCP need one).
+
+Every collective is bounded: the process group's timeout is ``QKV_DIST_TIMEOUT`` seconds
+(default 600), so a rank that dies or hangs makes the others fail within it instead of
+waiting forever. ``teardown_world`` meets every rank at a barrier before leaving the group
+(a clean gloo shutdown: exit status 0), except after an error (a peer may be gone).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["World", "all_reduce_sum", "barrier", "broadcast_object", "resolve_device",
-           "setup_world", "teardown_world"]
+__all__ = ["TIMEOUT_ENV", "World", "all_reduce_sum", "barrier", "broadcast_object",
+           "dist_timeout", "resolve_device", "setup_world", "teardown_world"]
+
+
+#: environment variable: the process group's collective timeout in seconds (default 600)
+TIMEOUT_ENV = "QKV_DIST_TIMEOUT"
+DEFAULT_TIMEOUT_S = 600
 
 
 @dataclass(frozen=True)
 class World:
-    """This process's rank and the number of processes (1 without torchrun)."""
+    """This process's rank and the number of processes (1 without torchrun); ``own_group``:
+    a 1-process group joined by ``setup_world(group=True)`` (left by ``teardown_world``)."""
 
     rank: int = 0
     size: int = 1
+    own_group: bool = False
 
     @property
     def is_main(self) -> bool:
@@ -55,21 +70,51 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return device
 
 
-def setup_world(device: torch.device) -> World:
-    """Join the process group torchrun describes (``WORLD_SIZE`` > 1), else a 1-process world.
-    The backend is nccl for CUDA devices, gloo otherwise."""
+def dist_timeout() -> timedelta:
+    """The collective timeout: ``QKV_DIST_TIMEOUT`` seconds (a positive number), default 600.
+
+    Raises:
+        ValueError: ``QKV_DIST_TIMEOUT`` is set but not a positive number."""
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return timedelta(seconds=DEFAULT_TIMEOUT_S)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {text!r}")
+    return timedelta(seconds=seconds)
+
+
+def setup_world(device: torch.device, *, group: bool = False) -> World:
+    """Join the process group torchrun describes (``WORLD_SIZE`` > 1), else a 1-process world;
+    with ``group=True`` a 1-process world joins a process group of its own (an in-memory
+    store), which FSDP2 and DCP need. The backend is nccl for CUDA devices, gloo otherwise;
+    the timeout ``dist_timeout()``."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if size <= 1:
-        return World()
+        if not group or dist.is_initialized():
+            return World()
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=dist_timeout())
+        return World(own_group=True)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend, timeout=dist_timeout())
     return World(rank=dist.get_rank(), size=dist.get_world_size())
 
 
-def teardown_world(world: World) -> None:
-    """Leave the process group (if one was joined)."""
-    if world.size > 1 and dist.is_initialized():
-        dist.destroy_process_group()
+def teardown_world(world: World, *, clean: bool = True) -> None:
+    """Leave the process group (if one was joined). ``clean``: first wait for every rank at a
+    barrier, so that no rank tears gloo's connections down under another (gloo may then
+    abort the process); give ``clean=False`` after an error, when a peer may be gone."""
+    if not (world.size > 1 or world.own_group) or not dist.is_initialized():
+        return
+    if clean and world.size > 1:
+        with contextlib.suppress(Exception):  # a peer left already: nothing to wait for
+            dist.barrier()
+    dist.destroy_process_group()
 
 
 def all_reduce_sum(x: torch.Tensor, world: World) -> torch.Tensor:

@@ -19,6 +19,18 @@ used) and one optimizer step of ``batch_size`` sequences of ``seq_len`` tokens, 
 - the held-out examples an evaluation builds at once: about ``200 + 2 N`` bytes each
   (Python strings of a pair and its prediction).
 
+Under ``--fsdp`` over W processes and with ``--activation-checkpointing``
+(``scale_estimate``):
+
+- parameters: each process keeps 1/W of the weights, gradients and AdamW moments
+  (``16 P / W`` bytes for a model that trains whole), plus the whole parameters of the
+  groups gathered at once: the root group (embeddings, final norm, head: not resharded after
+  forward) and two layers (the one computing and the one prefetched), ``4 x (P_root +
+  2 P_layer)``; buffers are not sharded;
+- activations with checkpointing: per layer only its input, ``B x N x C`` numbers, plus one
+  layer's full activations while it is recomputed: the plain figure times
+  ``1 / (10 + 2 F / C) + 1 / L``.
+
 The estimate errs low on purpose (it leaves out the allocator's slack, the optimizer's
 temporaries, evaluation), so a refusal means the run certainly cannot fit; a run that passes
 can still run out of memory. ``available_bytes`` reads ``MemAvailable`` from /proc/meminfo,
@@ -35,7 +47,7 @@ import torch
 from torch import nn
 
 __all__ = ["MemoryEstimate", "available_bytes", "check_estimate_fits", "check_training_fits",
-           "estimate_stacks_bytes", "estimate_training_bytes", "format_bytes"]
+           "estimate_stacks_bytes", "estimate_training_bytes", "format_bytes", "scale_estimate"]
 
 FP32 = 4
 
@@ -105,6 +117,35 @@ def _parameter_bytes(model: nn.Module) -> int:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     return FP32 * params + 3 * FP32 * trainable + buffers
+
+
+def scale_estimate(est: MemoryEstimate, model: nn.Module, *, shards: int = 1,
+                   checkpointing: bool = False) -> MemoryEstimate:
+    """``est`` (a kind's ``estimate_memory`` of ``model``) for a process of an FSDP run over
+    ``shards`` processes (1: not sharded) and/or with activation checkpointing (the module
+    docstring gives the formulas). ``model`` best on the meta device."""
+    from .sharding import find_layers
+
+    out = MemoryEstimate(est)
+    layers = find_layers(model)
+    if shards > 1:
+        params = list(model.parameters())
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        in_layers = {id(p) for layer in layers for p in layer.parameters()}
+        root = sum(p.numel() for p in params if id(p) not in in_layers)
+        biggest = max((sum(p.numel() for p in layer.parameters()) for layer in layers),
+                      default=0)
+        buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+        total = sum(p.numel() for p in params)
+        out["parameters"] = ((FP32 * total + 3 * FP32 * trainable) // shards + buffers
+                             + FP32 * (root + 2 * biggest))
+    if checkpointing and layers:
+        config = getattr(model, "config", None)
+        dim = getattr(config, "dim", None)
+        ratio = 4.0 if dim is None else (getattr(config, "ffn_hidden", None) or 4 * dim) / dim
+        out["activations"] = int(out.get("activations", 0) * (1 / (10 + 2 * ratio)
+                                                               + 1 / len(layers)))
+    return out
 
 
 def estimate_stacks_bytes(model: nn.Module, *, batch_size: int,

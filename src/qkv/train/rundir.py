@@ -214,8 +214,9 @@ def refuse_existing(out: Path) -> None:
 
 
 #: run.json fields that may differ from the checkpoint's copy: ``--resume --steps M`` rewrites
-#: steps, and ``--accept-changed-data`` the data fingerprint, before the next checkpoint
-_MAY_DIFFER = ("steps", "data_fingerprint")
+#: steps, ``--accept-changed-data`` the data fingerprint, and a resume may change
+#: ``--grad-accum`` / ``--activation-checkpointing`` (the same math), before the next checkpoint
+_MAY_DIFFER = ("steps", "data_fingerprint", "grad_accum", "activation_checkpointing")
 
 
 def check_checkpoint_agrees(out: Path, ckpt: Path, config: Any) -> None:
@@ -238,7 +239,8 @@ def check_checkpoint_agrees(out: Path, ckpt: Path, config: Any) -> None:
         raise CheckpointError(
             f"{out / 'run.json'} disagrees with {path} ({'; '.join(diff)}): run.json was edited "
             f"after the checkpoint was written; a resume continues the checkpoint's settings "
-            f"(only --steps may change): restore run.json from {path}")
+            f"(only --steps, --grad-accum and --activation-checkpointing may change): restore "
+            f"run.json from {path}")
 
 
 def resume_checkpoint(out: Path, eval_every: int) -> Path:

@@ -48,8 +48,9 @@ from torch import nn
 from ..models.hub import CheckpointError, atomic_write, read_json
 from .checkpoint import CHECKPOINT_DIR, OLD_DIR, TMP_DIR, find_checkpoint
 
-__all__ = ["SHARDED_DIR", "export_sharded", "is_sharded_checkpoint", "load_sharded_checkpoint",
-           "load_sharded_model", "safe_reader", "save_sharded_checkpoint"]
+__all__ = ["SHARDED_DIR", "build_checkpoint_model", "export_sharded", "is_sharded_checkpoint",
+           "load_sharded_checkpoint", "load_sharded_model", "safe_reader",
+           "save_sharded_checkpoint"]
 
 SHARDED_DIR, SHARDED_JSON = "sharded", "sharded.json"
 STATE_JSON, STATE_TENSORS = "trainer_state.json", "trainer_state.safetensors"
@@ -402,6 +403,16 @@ def _model_class(model_type: Any) -> type[nn.Module]:
     return classes[model_type]
 
 
+def build_checkpoint_model(checkpoint: str | os.PathLike) -> nn.Module:
+    """A new model of the config.json of ``checkpoint`` (random weights, on the CPU, in
+    training mode), built without touching torch's global RNG: what a resume shards and then
+    fills with ``load_sharded_checkpoint``."""
+    data = read_json(Path(checkpoint) / "config.json")
+    cls = _model_class(data.get("model_type"))
+    with torch.random.fork_rng(devices=[]):
+        return cls(cls.config_class.from_dict(data))  # type: ignore[attr-defined]
+
+
 def load_sharded_model(checkpoint: str | os.PathLike) -> nn.Module:
     """The whole model of a sharded checkpoint, on this process's CPU, in eval mode — read
     without a process group (DCP's ``no_dist``), whatever world size wrote it."""
@@ -410,10 +421,7 @@ def load_sharded_model(checkpoint: str | os.PathLike) -> nn.Module:
     ckpt = Path(checkpoint)
     if not is_sharded_checkpoint(ckpt):
         raise CheckpointError(f"{ckpt}: not a sharded checkpoint (no {SHARDED_JSON})")
-    data = read_json(ckpt / "config.json")
-    cls = _model_class(data.get("model_type"))
-    with torch.random.fork_rng(devices=[]):
-        model = cls(cls.config_class.from_dict(data))  # type: ignore[attr-defined]
+    model = build_checkpoint_model(ckpt)
     state = model.state_dict()  # views of the parameters: DCP copies into them
     try:
         with _quiet():

@@ -50,7 +50,8 @@ from .data import IGNORE
 
 __all__ = ["LAYER_TYPES", "PRECISIONS", "accumulate_gradients", "apply_activation_checkpointing",
            "autocast", "find_layers", "grad_norm_", "is_sharded", "no_gradient_sync",
-           "precision_policy", "saved_activation_bytes", "shard_model", "split_batch"]
+           "precision_policy", "saved_activation_bytes", "shard_model", "split_batch",
+           "unsharded"]
 
 #: the module types sharded (and checkpointed) one by one
 LAYER_TYPES: tuple[type[nn.Module], ...] = (EncoderLayer, DecoderLayer)
@@ -153,6 +154,36 @@ def shard_model(model: nn.Module, *, mesh: Any = None, mp_policy: Any = None,
         if callable(getattr(type(model), name, None)):
             register_fsdp_forward_method(model, name)
     return model
+
+
+@contextlib.contextmanager
+def unsharded(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside the block every FSDP group of ``model`` holds its whole parameters (one
+    all-gather per group on entry; plain tensors, not DTensors) and keeps them across
+    forwards: code that reads weights directly (qkv's decoding steppers) and any number of
+    forwards then run with no collective, so ranks may evaluate independently. On exit every
+    group is resharded and its ``reshard_after_forward`` setting restored. A collective on
+    entry and exit (every rank enters); a no-op for a model that is not sharded. Memory: the
+    whole model's parameters on every rank while inside."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    saved = []
+    for m in groups:
+        state = m._get_fsdp_state()
+        saved.append((state._auto_reshard_after_forward,
+                       [g.post_forward_mesh_info for g in state._fsdp_param_groups]))
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield model
+    finally:
+        for m, (auto, infos) in zip(groups, saved, strict=True):
+            m.reshard()
+            state = m._get_fsdp_state()
+            state._auto_reshard_after_forward = auto
+            for g, info in zip(state._fsdp_param_groups, infos, strict=True):
+                g.post_forward_mesh_info = info
 
 
 # --- activation checkpointing --------------------------------------------------------------------

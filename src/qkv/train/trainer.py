@@ -7,6 +7,17 @@ each step to RUN/metrics.jsonl, evaluates and checkpoints every ``eval_every`` s
 a non-finite loss or gradient. ``Trainer.resume(out_dir, steps=M)`` continues a run so that
 its losses and final weights are bit-identical (CPU) to an uninterrupted run of M steps.
 
+Scale (``TrainConfig``): ``fsdp`` shards the model, its gradients and the optimizer state
+over the processes with FSDP2 (``qkv.train.sharding.shard_model``, after the model is on its
+device and before the optimizer is built), evaluates on every rank with the parameters
+gathered (``unsharded``) and writes DCP sharded checkpoints from every rank
+(``qkv.train.sharded_checkpoint``) that resume on any number of processes; without it,
+several processes use DDP. ``grad_accum`` runs a step as K micro-batches with one gradient
+sync (``accumulate_gradients``), ``activation_checkpointing`` recomputes each layer in
+backward, ``precision`` bf16 computes in bf16 on CUDA (FSDP2's mixed-precision policy, or
+``torch.autocast`` without ``fsdp``). ``fsdp`` and ``precision`` are fixed for a run;
+``grad_accum`` and ``activation_checkpointing`` may change on resume.
+
 A run directory has one writer at a time: the Trainer holds ``qkv.train.rundir.RunDirLock``
 from before its first write until ``run()`` ends. Everything that can be checked is checked
 before anything is written (settings, model config against tokenizer and data, memory,
@@ -28,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..models.hub import CheckpointError, atomic_write, read_json
@@ -39,6 +51,7 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .distributed import (
+    TIMEOUT_ENV,
     all_reduce_sum,
     barrier,
     broadcast_object,
@@ -48,7 +61,7 @@ from .distributed import (
 )
 from .finetune import BASE_JSON, attach_peft, check_base, load_base
 from .kinds import ModelKind, get_kind
-from .memory import check_estimate_fits
+from .memory import check_estimate_fits, scale_estimate
 from .metrics import METRICS, NullLog, truncate_metrics
 from .rundir import (
     RunDirBusyError,
@@ -59,6 +72,22 @@ from .rundir import (
     resume_checkpoint,
 )
 from .schedules import lr_multiplier
+from .sharded_checkpoint import (
+    build_checkpoint_model,
+    is_sharded_checkpoint,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
+)
+from .sharding import (
+    PRECISIONS,
+    accumulate_gradients,
+    apply_activation_checkpointing,
+    grad_norm_,
+    precision_policy,
+    shard_model,
+    split_batch,
+    unsharded,
+)
 
 __all__ = ["Trainer", "TrainingError", "build_model"]
 
@@ -66,6 +95,20 @@ __all__ = ["Trainer", "TrainingError", "build_model"]
 class TrainingError(RuntimeError):
     """Training cannot go on (a non-finite loss or gradient); the message names the step and
     the last good checkpoint."""
+
+
+#: words of the errors a collective raises when a peer is gone or silent (gloo, nccl)
+_LOST_PEER = ("connection closed", "connection reset", "timed out", "timeout", "gloo", "nccl",
+              "broken pipe", "processgroup")
+
+
+def _collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that failed (torch's DistError, or the RuntimeError
+    gloo raises when a peer closed its connection or the timeout passed)."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return any(word in text for word in _LOST_PEER)
 
 
 class _Objective(nn.Module):
@@ -123,6 +166,8 @@ class Trainer:
             a demo that writes more files after training); the Trainer then neither takes nor
             releases the lock. Default: the Trainer takes it (rank 0) and releases it when
             ``run()`` ends, on ``close()``, or when refused.
+        force_precision: train in ``config.precision`` bf16 on a CPU although it is ~100x
+            slower there than fp32 (refused otherwise, before anything is written).
 
     Build with ``Trainer(config, out)`` for a new run or ``Trainer.resume(out, steps=M)``.
     ``run()`` trains up to ``config.steps`` and returns the final evaluation.
@@ -134,8 +179,9 @@ class Trainer:
     the checkpoint's copy and that the data file is unchanged (``accept_changed_data``), and
     only then rewrites run.json. Whatever is refused leaves the directory as it was.
 
-    Training is fp32, on one device per process; checkpoints are device-independent (the
-    CPU RNG state, and the CUDA one when training on CUDA, are saved with them).
+    Training is fp32 (or bf16 compute with fp32 master weights: ``precision``), on one
+    device per process; checkpoints are device-independent (the CPU RNG state, and the CUDA
+    one when training on CUDA, are saved with them).
 
     The run owns torch's global RNG (what dropout draws from): a new run seeds it with
     ``config.seed``, a resumed one restores the checkpoint's state, and neither restores the
@@ -145,8 +191,8 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, out_dir: str | Path, *, progress: bool = True,
                  log: Any = print, device: str | torch.device | None = "cpu",
-                 lock: RunDirLock | None = None, _resume: bool = False,
-                 _accept_changed_data: bool = False) -> None:
+                 lock: RunDirLock | None = None, force_precision: bool = False,
+                 _resume: bool = False, _accept_changed_data: bool = False) -> None:
         self.config, self.out = config, Path(out_dir)
         self.kind = get_kind(config.model)
         self.progress, self.log = progress, log
@@ -154,12 +200,15 @@ class Trainer:
             raise ValueError(f"lock must be a held RunDirLock on {self.out}, got {lock!r}")
         self._lock, self._own_lock = lock, lock is None
         self.device = resolve_device(device)
-        self.world = setup_world(self.device)
+        # refused before anything else (and before any process group): bf16 on a CPU
+        self._policy = precision_policy(config.precision, self.device, force=force_precision)
+        self._force_precision = force_precision
+        self.world = setup_world(self.device, group=config.fsdp)
         try:
             self._setup(config, _resume, _accept_changed_data)
         except BaseException:
             self.close()  # a refused run holds no lock and leaves no process group open
-            teardown_world(self.world)
+            teardown_world(self.world, clean=False)
             raise
 
     # --- the run directory --------------------------------------------------------------------
@@ -236,6 +285,10 @@ class Trainer:
         if config.batch_size % self.world.size:
             raise ValueError(f"batch_size {config.batch_size} is not divisible by the "
                              f"{self.world.size} processes")
+        if config.batch_size % (self.world.size * config.grad_accum):
+            raise ValueError(f"batch_size {config.batch_size} is not divisible by the "
+                             f"{self.world.size} processes x grad_accum {config.grad_accum}: "
+                             f"each process cuts its rows into grad_accum equal micro-batches")
         self.step = 0
         self.base: dict[str, str] | None = None  # base.json of a run that trains an adapter
         self.last_saved: int | None = None
@@ -245,7 +298,19 @@ class Trainer:
             ckpt = resume_checkpoint(self.out, config.eval_every)
             check_checkpoint_agrees(self.out, ckpt, config)
             config = self.config = self._check_data(config, accept_changed_data)
-            self.model, self.tokenizer = load_run(ckpt)  # an adapter run: its base checked
+            sharded = is_sharded_checkpoint(ckpt)
+            if sharded != config.fsdp:
+                raise CheckpointError(
+                    f"{ckpt} is {'a sharded' if sharded else 'a plain'} checkpoint but run.json "
+                    f"says fsdp={config.fsdp}: fsdp is fixed for a run; restore run.json from "
+                    f"{ckpt / 'run.json'}")
+            if sharded:  # weights come with the optimizer state, after sharding (below)
+                from ..data import read_tokenizer
+
+                self.model = build_checkpoint_model(ckpt)
+                self.tokenizer = read_tokenizer(ckpt / "tokenizer.json")
+            else:
+                self.model, self.tokenizer = load_run(ckpt)  # an adapter run: base checked
             self.base = check_base(ckpt) if (ckpt / BASE_JSON).is_file() else None
             self.max_len = self.kind.max_len_of(self.model)
             self.data = self.kind.load_data(config, self.tokenizer, self.max_len)
@@ -263,13 +328,22 @@ class Trainer:
             else:
                 self._new_model(config)
         self.model.to(self.device).train()
+        if config.activation_checkpointing:
+            apply_activation_checkpointing(self.model)
         self.objective: nn.Module = _Objective(self.kind, self.model, config.label_smoothing)
-        if self.world.size > 1:
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            self.objective = nn.parallel.DistributedDataParallel(self.objective, device_ids=ids)
-        self.optimizer = _optimizer(self.model, config)
+        if config.fsdp:  # each rank keeps 1/world of parameters, gradients, optimizer state
+            shard_model(self.model, mp_policy=self._policy)
+            self._sync: nn.Module = self.model
+        else:
+            if self.world.size > 1:
+                ids = [self.device.index] if self.device.type == "cuda" else None
+                self.objective = nn.parallel.DistributedDataParallel(self.objective,
+                                                                     device_ids=ids)
+            self._sync = self.objective
+        self.optimizer = _optimizer(self.model, config)  # after sharding: on the shards
         if _resume:
-            state = load_trainer_state(ckpt, self.optimizer)
+            state = (load_sharded_checkpoint(ckpt, model=self.model, optimizer=self.optimizer)
+                     if config.fsdp else load_trainer_state(ckpt, self.optimizer))
             self.step = self.last_saved = state["step"]
             if self.step >= config.steps:
                 raise ValueError(f"{self.out} is already at step {self.step}; give --steps "
@@ -302,11 +376,17 @@ class Trainer:
         self.base = None
 
     def _check_memory(self, model: nn.Module, seq_len: int, doing: str) -> None:
-        """Refuse a step that cannot fit in memory (``qkv.train.memory``)."""
-        c, per_rank = self.config, self.config.batch_size // self.world.size
-        estimate = self.kind.estimate_memory(model, batch_size=per_rank, seq_len=seq_len,
+        """Refuse a step that cannot fit in memory (``qkv.train.memory``): one micro-batch
+        of this process's rows at a time; parameters, gradients and optimizer state split
+        over the processes under ``fsdp``; activations of checkpointed layers."""
+        c = self.config
+        micro = c.batch_size // self.world.size // c.grad_accum
+        estimate = self.kind.estimate_memory(model, batch_size=micro, seq_len=seq_len,
                                              eval_examples=c.eval_examples)
-        check_estimate_fits(estimate, batch_size=per_rank, seq_len=seq_len, device=self.device,
+        estimate = scale_estimate(estimate, model,
+                                  shards=self.world.size if c.fsdp else 1,
+                                  checkpointing=c.activation_checkpointing)
+        check_estimate_fits(estimate, batch_size=micro, seq_len=seq_len, device=self.device,
                             what=f"{doing} {c.model} (max_len={self.max_len})")
 
     def _start_from_base(self, config: TrainConfig) -> TrainConfig:
@@ -369,13 +449,20 @@ class Trainer:
     @classmethod
     def resume(cls, out_dir: str | Path, *, steps: int | None = None, progress: bool = True,
                log: Any = print, device: str | torch.device | None = "cpu",
-               accept_changed_data: bool = False, lock: RunDirLock | None = None) -> Trainer:
+               accept_changed_data: bool = False, lock: RunDirLock | None = None,
+               grad_accum: int | None = None, activation_checkpointing: bool | None = None,
+               fsdp: bool | None = None, precision: str | None = None,
+               force_precision: bool = False) -> Trainer:
         """Continue the run in ``out_dir`` from its checkpoint, up to ``steps`` optimizer steps
-        in total (default: the run's own ``steps``).
+        in total (default: the run's own ``steps``). ``grad_accum`` and
+        ``activation_checkpointing`` may change (the same math; run.json records the new
+        values); ``fsdp`` and ``precision``, if given, must be the run's own. A ``fsdp`` run
+        resumes on any number of processes (its checkpoint is resharded on load).
 
         Refused, with nothing written: another process holds the directory
         (``RunDirBusyError``), run.json disagrees with the checkpoint's copy (anything but
-        ``steps``), or the data file changed since the run began (unless
+        ``steps``, ``grad_accum``, ``activation_checkpointing``), ``fsdp`` / ``precision``
+        differ from the run's, or the data file changed since the run began (unless
         ``accept_changed_data``; run.json then records the new file's fingerprint)."""
         out_dir = Path(out_dir)
         if not out_dir.is_dir():
@@ -388,14 +475,27 @@ class Trainer:
             config = TrainConfig.from_dict(data)
         except ValueError as exc:
             raise CheckpointError(f"{out_dir / 'run.json'}: cannot resume: {exc}") from exc
+        for name, value in (("fsdp", fsdp), ("precision", precision)):
+            if value is not None and value != getattr(config, name):
+                raise ValueError(f"{name} {value!r}: {out_dir} was trained with {name}="
+                                 f"{getattr(config, name)!r}, which is fixed for a run "
+                                 f"(resume continues it; start a new run to change it)")
+        changes: dict[str, Any] = {}
         if steps is not None and steps != config.steps:
-            config = TrainConfig.from_dict({**config.to_dict(), "steps": steps})
-            if config.schedule == "cosine":
+            changes["steps"] = steps
+        if grad_accum is not None:
+            changes["grad_accum"] = grad_accum
+        if activation_checkpointing is not None:
+            changes["activation_checkpointing"] = activation_checkpointing
+        if changes:
+            config = TrainConfig.from_dict({**config.to_dict(), **changes})
+            if "steps" in changes and config.schedule == "cosine":
                 log(f"note: the cosine schedule is re-stretched from {data['steps']} to "
                     f"{steps} total steps; later learning rates differ from those of a run "
                     f"started with --steps {steps}")
         return cls(config, out_dir, progress=progress, log=log, device=device, lock=lock,
-                   _resume=True, _accept_changed_data=accept_changed_data)
+                   force_precision=force_precision, _resume=True,
+                   _accept_changed_data=accept_changed_data)
 
     # --- one step -----------------------------------------------------------------------------
     def _batch(self, step: int) -> dict[str, Tensor]:
@@ -420,19 +520,16 @@ class Trainer:
         lr = self._lr(self.step + 1)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss_sum, count = self.objective(batch)
-        total = all_reduce_sum(count, self.world).clamp(min=1)
-        (loss_sum * (self.world.size / total)).backward()  # DDP averages over ranks
-        loss = (all_reduce_sum(loss_sum.detach(), self.world) / total).item()
+        # K micro-batches, the gradient sync (DDP / FSDP) in the last backward only; every
+        # micro-batch's loss divided by the step's global count (DDP/FSDP average over ranks)
+        loss_sum, total = accumulate_gradients(
+            self._forward, split_batch(batch, self.config.grad_accum), model=self._sync,
+            world_size=self.world.size, count=self.kind.loss_count)
+        loss = (all_reduce_sum(loss_sum, self.world) / total).item()
         self.step += 1
         if not math.isfinite(loss):
             self._stop(f"loss is {loss}")
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.config.clip_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.config.clip_norm).item()
-        else:
-            norm = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(p.grad) for p in params])).item()
+        norm = grad_norm_(self.model.parameters(), self.config.clip_norm)  # all shards
         if not math.isfinite(norm):
             self._stop(f"the gradient norm is {norm}")
         self.optimizer.step()
@@ -440,6 +537,16 @@ class Trainer:
         self.kind.after_optimizer_step(self.model)
         tokens = self.kind.batch_tokens(batch, self.tokenizer)
         return {"loss": loss, "lr": lr, "grad_norm": norm, "tokens": tokens * self.world.size}
+
+    def _forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """The objective on one micro-batch, under ``torch.autocast`` for bf16 without FSDP
+        (FSDP2's policy casts the gathered parameters itself)."""
+        c = self.config
+        if c.fsdp or c.precision == "fp32":
+            return self.objective(batch)
+        # the precision was checked (and any warning given) when the run was set up
+        with torch.autocast(self.device.type, dtype=PRECISIONS[c.precision]):
+            return self.objective(batch)
 
     def _stop(self, what: str) -> None:
         where = (f"the last good checkpoint is {self.out / 'checkpoint'} (step "
@@ -459,6 +566,7 @@ class Trainer:
                        leave=False)
         result: dict[str, Any] = {}
         t0, tokens = time.perf_counter(), 0
+        clean = False
         try:
             with (self.out / METRICS).open("a") if main else NullLog() as metrics:
                 while self.step < c.steps:
@@ -475,14 +583,25 @@ class Trainer:
                                         tok_s=f"{m['tokens_per_s']:.0f}", refresh=False)
                     if self.step % c.eval_every == 0 or self.step == c.steps:
                         result = self._evaluate_and_save(metrics)
+            clean = True
+        except RuntimeError as exc:
+            if not (self.world.size > 1 and _collective_failure(exc)):
+                raise
+            raise TrainingError(
+                f"step {self.step}: rank {self.world.rank} lost the other processes (one "
+                f"stopped, or did not answer within the process group's timeout, "
+                f"{TIMEOUT_ENV}): {str(exc).strip().splitlines()[0] if str(exc) else exc!r}"
+            ) from exc
         finally:
             if bar is not None:
                 bar.close()
             self.close()
-            teardown_world(self.world)
+            teardown_world(self.world, clean=clean)
         return result
 
     def _evaluate_and_save(self, metrics: Any) -> dict[str, Any]:
+        if self.config.fsdp:
+            return self._evaluate_and_save_sharded(metrics)
         result: dict[str, Any] = {}
         if self.world.is_main:
             result = {"step": self.step, **self.kind.evaluate(
@@ -492,13 +611,33 @@ class Trainer:
                             run_info=self.config.to_dict(),
                             data_position=self.step * self.config.batch_size, base=self.base,
                             extra_files=self.kind.checkpoint_files(self.model))
-            # logged after the save: an evaluation row in metrics.jsonl means a checkpoint of
-            # that step was complete (what resume's messages rely on)
-            metrics.write(json.dumps(result) + "\n")
-            metrics.flush()
-            shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                              for k, v in result.items())
-            self.log(f"[eval] {shown}")
+            self._log_evaluation(metrics, result)
         self.last_saved = self.step
         barrier(self.world)
         return result
+
+    def _evaluate_and_save_sharded(self, metrics: Any) -> dict[str, Any]:
+        """Under FSDP: every rank evaluates with the whole parameters gathered (the same
+        numbers on every rank; no collective inside the evaluation), every rank writes its
+        shard of the checkpoint; rank 0 logs."""
+        with unsharded(self.model):
+            result = {"step": self.step, **self.kind.evaluate(
+                self.model, self.tokenizer, self.data, self.config.eval_examples)}
+        save_sharded_checkpoint(self.out, model=self.model, optimizer=self.optimizer,
+                                step=self.step, data_position=self.step * self.config.batch_size,
+                                tokenizer=self.tokenizer, run_info=self.config.to_dict(),
+                                extra_files=self.kind.checkpoint_files(self.model))
+        self.last_saved = self.step
+        if not self.world.is_main:
+            return {}
+        self._log_evaluation(metrics, result)
+        return result
+
+    def _log_evaluation(self, metrics: Any, result: dict[str, Any]) -> None:
+        # logged after the save: an evaluation row in metrics.jsonl means a checkpoint of
+        # that step was complete (what resume's messages rely on)
+        metrics.write(json.dumps(result) + "\n")
+        metrics.flush()
+        shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                          for k, v in result.items())
+        self.log(f"[eval] {shown}")

@@ -19,10 +19,14 @@ The life of a run, as the trainer calls the kind::
     model = kind.build_model(config, tok, max_len); kind.check_model(model.config, tok, max_len)
     est = kind.estimate_memory(model, batch_size=B, seq_len=seq_len, eval_examples=...)
     batch = kind.make_batch(data.train(step * B, B), tok, step=step, seed=seed)
-    loss_sum, count = kind.loss(model, batch, label_smoothing=...)   # per rank
-    (loss_sum * world / all_reduce(count)).backward(); optimizer.step()
+    for micro in split_batch(batch, K):                         # K = grad_accum (1: whole)
+        total = all_reduce(sum of kind.loss_count(micro))      # known before any forward
+        loss_sum, count = kind.loss(model, micro, label_smoothing=...)   # per rank
+        (loss_sum * world / total).backward()                   # sync on the last only
+    optimizer.step()
     kind.after_optimizer_step(model)
-    metrics = kind.evaluate(model, tok, data, eval_examples)    # rank 0
+    metrics = kind.evaluate(model, tok, data, eval_examples)    # rank 0; under --fsdp
+                                                                # every rank, unsharded
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ class ModelKind(abc.ABC):
         tasks: the embedded tasks only this kind trains (e.g. ("shapes",) for clip); None:
             the text tasks of ``qkv.data.TASKS``.
         data_what: what ``--data`` is for this kind (help and error messages).
+        splits_batches: a step's batch may be cut into micro-batches (``--grad-accum``)
+            with the same loss and gradients; False when the loss couples a batch's
+            examples (a contrastive loss: the negatives would differ per micro-batch).
     """
 
     name: ClassVar[str]
@@ -57,6 +64,7 @@ class ModelKind(abc.ABC):
     model_types: ClassVar[tuple[str, ...]]
     tasks: ClassVar[tuple[str, ...] | None] = None
     data_what: ClassVar[str] = "a file"
+    splits_batches: ClassVar[bool] = True
 
     # --- settings -------------------------------------------------------------------------
     def check_config(self, config: Any) -> None:
@@ -64,6 +72,11 @@ class ModelKind(abc.ABC):
         naming the field). Default: a task another kind owns (``tasks``) is refused."""
         from ..config import ConfigError
 
+        if getattr(config, "grad_accum", 1) > 1 and not self.splits_batches:
+            raise ConfigError("grad_accum", f"--model {self.name} cannot split a step's batch "
+                                            f"into micro-batches (its loss couples the "
+                                            f"batch's examples), got grad_accum "
+                                            f"{config.grad_accum}; lower --batch-size instead")
         task = config.task
         if task is None:
             return
@@ -139,6 +152,13 @@ class ModelKind(abc.ABC):
         sums over (an int64 scalar), such that the training loss is ``sum over ranks of
         loss_sum / sum over ranks of count`` and the gradients of ``loss_sum · W / total
         count`` averaged over W ranks (DDP) are those of one process on the global batch."""
+
+    def loss_count(self, batch: dict[str, Tensor]) -> Tensor:
+        """The ``count`` that ``loss`` returns for ``batch``, known without running the model
+        (an int64 scalar): gradient accumulation normalises every micro-batch by the count
+        of the whole step before any forward. Default: not known (NotImplementedError)."""
+        raise NotImplementedError(f"model kind {self.name!r} does not say what its loss "
+                                  f"counts (ModelKind.loss_count)")
 
     def batch_tokens(self, batch: dict[str, Tensor], tokenizer: Any) -> int:
         """Tokens of a batch for the throughput metric (default: the non-pad ids of the

@@ -38,6 +38,7 @@ class BertMLMKind(TokenKind):
     default_preset = "bert-tiny"
     model_class = BERT
     model_types = ("qkv-bert", "bert")
+    target_key = "labels"
     masked_accuracy = True
 
     def pair_tokens(self, source: int, target: int) -> int:

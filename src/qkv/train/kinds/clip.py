@@ -21,6 +21,16 @@ and centre-cropped to it first (``preprocess_image``). Use the same two function
 inference; a checkpoint also holds ``preprocessor_config.json`` (HF CLIPImageProcessor's
 fields: size, crop, mean, std) so that a loaded run reproduces the transform.
 
+Captions of the shapes task: a quarter of the training examples (``PROMPT_CAPTION_SHARE``,
+a coin of (seed, index)) are captioned by a zero-shot prompt of their (colour, shape) in
+their language — "a photo of a red circle" / "一张红色圆形的照片" — instead of the data's
+"a small red circle on the left". Without it the prompts are a form of text the tower never
+reads (no size, position or count; at other character positions), and their embeddings
+land off the captions' manifold: a run of 300 steps named the held-out images right 81 %
+of the time by prompts in their own caption's form, but 34 % by "a photo of a {colour}
+{shape}" (and 30-50 % even on the trained combinations). The held-out combinations still
+never appear, in any form.
+
 Batches (``make_batch``): ``pixel_values`` (B, 3, H, W) float32, ``input_ids`` (B, N),
 ``attention_mask`` (B, N) bool. Step s of the shapes task holds training examples
 s·B .. s·B + B - 1 (``ShapesDataset`` is index-addressable: an endless stream); a folder is
@@ -68,6 +78,7 @@ from .base import ModelKind
 
 __all__ = [
     "EVAL_BATCH",
+    "PROMPT_CAPTION_SHARE",
     "CLIPKind",
     "FolderPairs",
     "ShapesPairs",
@@ -81,6 +92,9 @@ __all__ = [
 EVAL_BATCH = 256
 #: the examples of an endless ShapesDataset stream (images are drawn on demand)
 _ENDLESS = 2**62
+#: the shapes task: the share of training captions replaced by a zero-shot prompt of the
+#: example's (colour, shape) ("a photo of a red circle"; ``ShapesPairs.prompt_caption``)
+PROMPT_CAPTION_SHARE = 0.25
 #: a folder's held-out share of its images (at least 1, at most _MAX_HELD)
 _HELD_FRACTION, _MAX_HELD = 0.05, 1000
 
@@ -152,6 +166,13 @@ def shapes_texts() -> list[str]:
 
 
 # --- data -------------------------------------------------------------------------------
+def _prompt_of(template: str, language: str, colour: str, shape: str) -> str:
+    """``template`` filled with (colour, shape) as ``class_prompts`` fills it."""
+    from ...data.shapes import COMBINATIONS, class_prompts
+
+    return class_prompts(template, language=language)[COMBINATIONS.index((colour, shape))]
+
+
 @dataclasses.dataclass
 class ShapesPairs:
     """The shapes task as training data (captions in English and Chinese).
@@ -165,18 +186,47 @@ class ShapesPairs:
 
     image_size: int
     seed: int = 0
+    prompt_share: float = PROMPT_CAPTION_SHARE
 
     def __post_init__(self) -> None:
         from ...data import ShapesDataset
+
+        if not (isinstance(self.prompt_share, (int, float)) and not isinstance(
+                self.prompt_share, bool) and 0.0 <= self.prompt_share <= 1.0):
+            raise ValueError(f"ShapesPairs: prompt_share must be a number in [0, 1], got "
+                             f"{self.prompt_share!r}")
 
         self.splits = {split: ShapesDataset(split, size=_ENDLESS, image_size=self.image_size,
                                             seed=self.seed, language="both")
                        for split in ("train", "valid", "test")}
 
     def train(self, start: int, count: int) -> tuple[Tensor, list[str]]:
-        """Training pairs ``start .. start + count - 1``."""
+        """Training pairs ``start .. start + count - 1``: the dataset's captions, each
+        replaced with probability ``prompt_share`` by a prompt (``prompt_caption``)."""
         batch = self.splits["train"].batch(range(start, start + count))
-        return batch.images, batch.captions
+        captions = [self.prompt_caption(start + k, lab) or caption
+                    for k, (caption, lab) in enumerate(zip(batch.captions, batch.labels,
+                                                           strict=True))]
+        return batch.images, captions
+
+    def prompt_caption(self, index: int, labels: dict[str, Any]) -> str | None:
+        """The prompt that replaces the caption of training example ``index`` (labels as
+        ``ShapesDataset`` gives), or None when it keeps its own: with probability
+        ``prompt_share`` (a coin of ``(seed, index)`` alone, so that a resumed run reads
+        the same), one of ``PROMPT_TEMPLATES[language]`` (uniform) filled with the
+        example's colour and shape, in its caption's language."""
+        from ...data.shapes import PROMPT_TEMPLATES
+
+        if self.prompt_share <= 0.0:
+            return None
+        key = f"qkv.train.kinds.clip/prompt\x1f{self.seed}\x1f{index}".encode()
+        rng = random.Random(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(),
+                                           "little"))
+        if rng.random() >= self.prompt_share:
+            return None
+        lang = labels["language"]
+        return _prompt_of(rng.choice(PROMPT_TEMPLATES[lang]), lang, labels["colour"],
+                          labels["shape"])
 
     def heldout(self, count: int) -> tuple[Tensor, list[str]]:
         """The first ``count`` validation pairs."""
@@ -283,6 +333,7 @@ class CLIPKind(ModelKind):
     model_types = ("qkv-clip",)
     tasks = ("shapes",)
     data_what = "a folder of images with captions.tsv"
+    splits_batches = False  # the negatives of a micro-batch would be fewer than the batch's
 
     def check_config(self, config: Any) -> None:
         from ..config import ConfigError
@@ -420,6 +471,10 @@ class CLIPKind(ModelKind):
         rows = batch["input_ids"].shape[0]
         loss = model.loss(batch["pixel_values"], batch["input_ids"], batch["attention_mask"])
         return loss.float() * rows, torch.tensor(rows, device=loss.device)
+
+    def loss_count(self, batch: dict[str, Tensor]) -> Tensor:
+        """The pairs of ``batch`` (what ``loss`` averages over)."""
+        return torch.tensor(batch["input_ids"].shape[0], device=batch["input_ids"].device)
 
     def batch_tokens(self, batch: dict[str, Tensor], tokenizer: Any) -> int:
         """The captions' real tokens (images are not counted)."""

@@ -29,6 +29,7 @@ class GPTKind(TokenKind):
     default_preset = "gpt-tiny"
     model_class = GPT
     model_types = ("qkv-gpt", "gpt2")
+    target_key = "targets"
 
     def pair_tokens(self, source: int, target: int) -> int:
         return source + target + 3  # bos source eos target eos

@@ -30,10 +30,14 @@ class TokenKind(ModelKind):
             text cut into windows).
         masked_accuracy: evaluation reports ``masked_accuracy`` (else ``exact_match`` of
             greedy decoding on pair data, with ``decode``).
+        target_key: the batch's targets tensor (B, N), -100 where nothing is predicted:
+            the loss counts its other entries (``loss_count``).
     """
 
     reads_pairs_file: ClassVar[bool] = False
     masked_accuracy: ClassVar[bool] = False
+    #: the batch tensor of the targets (B, N), -100 where nothing is predicted
+    target_key: ClassVar[str]
     data_what = "a text file"
 
     @abc.abstractmethod
@@ -76,6 +80,12 @@ class TokenKind(ModelKind):
 
         logits, target = self.logits_and_target(model, batch)
         return token_cross_entropy(logits, target, label_smoothing=label_smoothing)
+
+    def loss_count(self, batch: dict[str, Tensor]) -> Tensor:
+        """The predicted tokens of ``batch``: the targets (``target_key``) that are not -100."""
+        from ..data import IGNORE
+
+        return (batch[self.target_key] != IGNORE).sum()
 
     def evaluate(self, model: nn.Module, tokenizer: Any, data: Any,
                  count: int) -> dict[str, float]:

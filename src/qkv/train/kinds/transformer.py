@@ -29,6 +29,7 @@ class TransformerKind(TokenKind):
     default_preset = "transformer-tiny"
     model_class = Transformer
     model_types = ("qkv-transformer",)
+    target_key = "tgt_out"
     reads_pairs_file = True
     data_what = "a TSV file of source<TAB>target pairs"
 
