@@ -1,7 +1,7 @@
 """``qkv demo clip``: the quick run end to end — files, printed lines, and the printed
 zero-shot accuracy (English and Chinese prompts) and text→image recall@1 recomputed here from
-the saved run; its step settings and refusals. (The full demo's >= 90 % goal is not met yet:
-no test asserts it until a recipe reaches it.)
+the saved run; its step settings and refusals; (slow) the full default demo reaches
+the issue's goal, >= 90 % zero-shot on the held-out combinations.
 
 Shapes: B test images, K = 30 classes, M prompt templates, E embedding width.
 
@@ -181,7 +181,7 @@ def test_printed_figures_match_a_recomputation_from_the_saved_run(quick_run):
 
 def test_training_settings():
     assert training_settings() == DEMO_TRAINING
-    assert DEMO_TRAINING["steps"] == 1300 and DEMO_TRAINING["batch_size"] == 256
+    assert DEMO_TRAINING["steps"] == 800 and DEMO_TRAINING["batch_size"] == 256
     s = training_settings(900)
     assert (s["steps"], s["warmup"], s["eval_every"]) == (900, 90, 225)
     s = training_settings(quick=True)
@@ -194,8 +194,8 @@ def test_training_settings():
 @pytest.mark.parametrize(("argv", "message"), [
     (["demo", "clip", "--steps", "0"], "argument --steps: must be an integer >= 1"),
     (["demo", "clip", "--steps", "x"], "argument --steps: must be an integer"),
-    (["demo", "--steps", "5"], "only `qkv demo clip` takes --steps"),
-    (["demo", "lora", "--steps", "5"], "only `qkv demo clip` takes --steps"),
+    (["demo", "--steps", "5"], "only `qkv demo clip` and `qkv demo flamingo` take --steps"),
+    (["demo", "lora", "--steps", "5"], "only `qkv demo clip` and `qkv demo flamingo` take --steps"),
     (["demo", "clip", "--base", "runs/x"], "only `qkv demo lora` takes --base"),
     (["demo", "clip", "--length", "64"], "only `qkv demo tour` takes --length"),
     (["demo", "clip", "--seed", "-1"], "argument --seed"),
@@ -239,3 +239,15 @@ def test_draw_similarity_writes_a_png_and_checks_its_inputs(tmp_path):
     with pytest.raises(TypeError, match="captions must be a list of strings"):
         draw_similarity(images, "abcd", torch.rand(3, 4), tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.slow
+def test_the_full_demo_reaches_the_goal(tmp_path):
+    """The default demo (DEMO_TRAINING, seed 0): >= 90 % zero-shot on the held-out
+    combinations with the English prompts (the issue's goal; chance 1/30). Prints what the
+    demo printed (run with -s to see it)."""
+    status, printed = run_demo("--out", str(tmp_path / "demo"))
+    print(printed)
+    assert status == 0
+    found = parse(printed)
+    assert float(found["zero_shot"].group(1)) >= 90.0, printed[-2000:]

@@ -2,7 +2,9 @@
 embedded date-normalisation task; ``qkv demo lora`` adapts that model with LoRA to an output
 format it never produced; ``qkv demo coref`` shows self-attention resolving pronouns;
 ``qkv demo clip`` trains a small CLIP on synthetic shapes and classifies held-out
-colour/shape combinations zero-shot; ``qkv demo tour`` is a quick tour of the attention
+colour/shape combinations zero-shot; ``qkv demo flamingo`` teaches a frozen GPT to answer
+questions about shapes images (Perceiver resampler + tanh-gated cross-attention);
+``qkv demo tour`` is a quick tour of the attention
 core."""
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ EXAMPLES = """examples:
   qkv demo clip                  train a small CLIP on coloured shapes (1300 steps), print
                                  zero-shot accuracy on held-out colour/shape combinations
   qkv demo clip --steps 900      a shorter run (the budget is in steps)
+  qkv demo flamingo              a frozen GPT learns to answer questions about shapes images
+                                 (resampler + gated cross-attention; ~4 min of CPU time)
+  qkv demo flamingo --vision runs/my-clip   reuse a `qkv demo clip` run as the image tower
   qkv demo tour --length 4096    masks, backends, relative positions at long length
 """
 
@@ -37,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, epilog=EXAMPLES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("which", nargs="?", default="dates",
-                   choices=("dates", "lora", "coref", "clip", "tour"),
+                   choices=("dates", "lora", "coref", "clip", "flamingo", "tour"),
                    help="which demo (default: dates)")
     p.add_argument("--quick", action="store_true",
                    help="a short run for smoke tests (accuracy will be low)")
@@ -48,7 +53,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="lora only: a finished `qkv demo` / `qkv train --task dates` run to "
                         "adapt (default: train one first, into OUT/base)")
     p.add_argument("--steps", type=int_in(1), default=None, metavar="N",
-                   help="clip only: training steps (default 1300; 4 with --quick)")
+                   help="clip / flamingo only: training steps (clip: default 1300; flamingo: "
+                        "its Flamingo steps, default 300; fewer with --quick)")
+    p.add_argument("--vision", default=None, metavar="RUN",
+                   help="flamingo only: a finished `qkv demo clip` run to use as the image "
+                        "tower (default: train one first, 300 steps, into OUT/vision)")
     p.add_argument("--length", type=int_in(1), default=None,
                    help=f"tour only: sequence length of the relative-position part (default "
                         f"{TOUR_LENGTH}, {TOUR_QUICK_LENGTH} with --quick; the time grows as N², "
@@ -63,8 +72,16 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError(f"--length {args.length}: only `qkv demo tour` takes --length")
     if args.which != "lora" and args.base is not None:
         raise UserError(f"--base {args.base}: only `qkv demo lora` takes --base")
-    if args.which != "clip" and args.steps is not None:
-        raise UserError(f"--steps {args.steps}: only `qkv demo clip` takes --steps")
+    if args.which not in ("clip", "flamingo") and args.steps is not None:
+        raise UserError(f"--steps {args.steps}: only `qkv demo clip` and `qkv demo flamingo` "
+                        f"take --steps")
+    if args.which != "flamingo" and args.vision is not None:
+        raise UserError(f"--vision {args.vision}: only `qkv demo flamingo` takes --vision")
+    if args.which == "flamingo":
+        from ..demos.flamingo import run_flamingo_demo
+
+        return run_flamingo_demo(args.out, steps=args.steps, seed=args.seed,
+                                 vision=args.vision, quick=args.quick)
     if args.which == "clip":
         from ..demos.clip import run_clip_demo
 
