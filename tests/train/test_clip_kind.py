@@ -75,7 +75,10 @@ def test_a_batch_is_the_steps_examples_of_the_train_split(trainer):
     mean, std = torch.tensor(MEAN).view(3, 1, 1), torch.tensor(STD).view(3, 1, 1)
     torch.testing.assert_close(batch["pixel_values"], (want.images - mean) / std,
                                rtol=0, atol=1e-6)
-    rows = [[tok.bos_id, *tok.encode(c), tok.eos_id] for c in want.captions]
+    _, captions = trainer.data.train(3 * b, b)
+    for caption, own, lab in zip(captions, want.captions, want.labels, strict=True):
+        assert caption == own or caption in prompts_of(lab), (caption, own)
+    rows = [[tok.bos_id, *tok.encode(c), tok.eos_id] for c in captions]
     width = max(map(len, rows))
     assert batch["input_ids"].tolist() == [r + [tok.pad_id] * (width - len(r)) for r in rows]
     assert batch["attention_mask"].tolist() == [[True] * len(r) + [False] * (width - len(r))
@@ -83,6 +86,50 @@ def test_a_batch_is_the_steps_examples_of_the_train_split(trainer):
     assert {"zh", "en"} == {lab["language"] for lab in ds.batch(range(64)).labels}
     again = kind.make_batch(trainer.data.train(3 * b, b), tok, step=3, seed=0)
     assert all(torch.equal(again[k], batch[k]) for k in batch)
+
+
+ZH_COLOUR = {"red": "红色", "green": "绿色", "blue": "蓝色", "yellow": "黄色", "purple": "紫色",
+             "orange": "橙色"}
+ZH_SHAPE = {"circle": "圆形", "square": "正方形", "triangle": "三角形", "star": "星形",
+            "cross": "十字形"}
+
+
+def prompts_of(labels: dict) -> set[str]:
+    """The zero-shot prompts of an example's (colour, shape) in its language, typed here."""
+    colour, shape = labels["colour"], labels["shape"]
+    if labels["language"] == "zh":
+        c, s = ZH_COLOUR[colour], ZH_SHAPE[shape]
+        return {f"一张{c}{s}的照片", f"一个{c}{s}", f"{c}{s}"}
+    a = "an" if colour[0] in "aeiou" else "a"
+    return {f"a photo of {a} {colour} {shape}", f"{a} {colour} {shape}",
+            f"a picture of {a} {colour} {shape}"}
+
+
+def test_a_quarter_of_the_shapes_captions_are_prompts_of_their_combination():
+    """Training captions: the dataset's own, or (about 1/4, by a coin of (seed, index)) one of
+    the zero-shot prompts of the example's colour and shape in its caption's language — so
+    that the prompts zero-shot reads are a form of text the tower was trained on. Never a
+    held-out combination; the same captions every time (resume)."""
+    n = 2000
+    data = ShapesPairs(image_size=32, seed=1)
+    ds = ShapesDataset("train", size=10**6, seed=1, language="both")
+    want = ds.batch(range(500, 500 + n))
+    _, captions = data.train(500, n)
+    assert captions == data.train(500, n)[1]
+    assert data.train(700, 5)[1] == captions[200:205]  # per index, not per batch
+    replaced = [c != own for c, own in zip(captions, want.captions, strict=True)]
+    for caption, own, lab, swap in zip(captions, want.captions, want.labels, replaced,
+                                       strict=True):
+        assert caption in (prompts_of(lab) if swap else {own}), (caption, own, lab)
+    share = sum(replaced) / n  # binomial: sd = sqrt(.25 * .75 / 2000) = 0.0097
+    assert 0.25 - 0.04 < share < 0.25 + 0.04, share
+    langs = {want.labels[i]["language"] for i in range(n) if replaced[i]}
+    assert langs == {"en", "zh"}
+    assert len({c for c, swap in zip(captions, replaced, strict=True) if swap}) > 100
+    plain = ShapesPairs(image_size=32, seed=1, prompt_share=0.0).train(500, 50)[1]
+    assert plain == want.captions[:50]
+    with pytest.raises(ValueError, match=r"prompt_share must be a number in \[0, 1\], got 1.5"):
+        ShapesPairs(image_size=32, prompt_share=1.5)
 
 
 def test_public_helpers_refuse_what_they_cannot_read(trainer):
