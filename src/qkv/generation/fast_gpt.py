@@ -51,7 +51,7 @@ from ..modules.feedforward import ACTIVATIONS, FeedForward
 from ..modules.layers import EncoderLayer
 from ..modules.norms import LayerNorm
 
-__all__ = ["FastGPTStepper", "eligible", "release", "transposed_weights"]
+__all__ = ["FastGPTStepper", "eligible", "plain_gpt", "release", "transposed_weights"]
 
 # GPTConfig fields this step implements (any value); another field with a non-default value
 # (a variant added later) sends the model to the generic stepper.
@@ -62,6 +62,15 @@ _KNOWN = {"vocab_size", "max_len", "dim", "num_layers", "num_heads", "num_kv_hea
 
 def eligible(model: object) -> bool:
     """True when ``model`` is a plain ``GPT`` whose decode step this module reproduces."""
+    return plain_gpt(model, linear=nn.Linear, dtypes=(torch.float32, torch.float64))
+
+
+def plain_gpt(model: object, *, linear: type, dtypes: tuple[torch.dtype, ...]) -> bool:
+    """True when ``model`` is a ``GPT`` of plain parts (pre-norm ``EncoderLayer``s, LayerNorm,
+    a fused-QKV ``MultiHeadAttention`` on sdpa/auto, ``FeedForward``, no unknown config
+    variant, no active dropout), embeddings of one of ``dtypes``, and every projection of
+    exactly type ``linear`` — what a lean decode step (this module's, ``fast_int8``'s) may
+    reproduce instead of calling the modules."""
     if type(model) is not GPT:
         return False
     c = model.config
@@ -72,8 +81,7 @@ def eligible(model: object) -> bool:
         return False
     if model.training and (c.dropout or c.attn_dropout):
         return False
-    dtype = model.embed.weight.dtype
-    if dtype not in (torch.float32, torch.float64) or type(model.norm) is not LayerNorm:
+    if model.embed.weight.dtype not in dtypes or type(model.norm) is not LayerNorm:
         return False
     for layer in model.layers:
         attn = layer.attn
@@ -84,8 +92,8 @@ def eligible(model: object) -> bool:
             return False
         # a projection swapped for another module (an unmerged qkv.peft LoRA wrapper) computes
         # more than its weight: only the generic stepper, which calls the modules, is exact
-        if not all(type(m) is nn.Linear for m in (attn.in_proj, attn.out_proj,
-                                                  layer.ffn.fc_in, layer.ffn.fc_out)):
+        if not all(type(m) is linear for m in (attn.in_proj, attn.out_proj,
+                                               layer.ffn.fc_in, layer.ffn.fc_out)):
             return False
     return True
 

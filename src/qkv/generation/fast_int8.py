@@ -20,56 +20,24 @@ parts, every projection and the LM head a ``QuantizedLinear``, no active dropout
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..models.gpt import GPT, GPTConfig
-from ..modules.attention import MultiHeadAttention
+from ..models.gpt import GPT
 from ..modules.cache import KVCache
-from ..modules.feedforward import ACTIVATIONS, FeedForward
-from ..modules.layers import EncoderLayer
-from ..modules.norms import LayerNorm
+from ..modules.feedforward import ACTIVATIONS
 from ..modules.quantized import QuantizedLinear, int8_linear, scale127
 from . import int8_kernel
+from .fast_gpt import plain_gpt
 
 __all__ = ["Int8GPTStepper", "eligible"]
 
-# GPTConfig fields this step implements (any value); another field with a non-default value
-# (linear attention, a sliding window, a variant added later) sends the model elsewhere.
-_KNOWN = {"vocab_size", "max_len", "dim", "num_layers", "num_heads", "num_kv_heads",
-          "ffn_hidden", "activation", "norm", "norm_eps", "positions", "dropout",
-          "attn_dropout", "bias", "tie_embeddings"}
-
-
 def eligible(model: object) -> bool:
     """True when ``model`` is a plain int8-quantized ``GPT`` whose step this module
-    reproduces."""
-    if type(model) is not GPT or type(model.lm_head) is not QuantizedLinear:
-        return False
-    c = model.config
-    for f in dataclasses.fields(GPTConfig):
-        if f.name not in _KNOWN and getattr(c, f.name) != f.default:
-            return False
-    if c.norm != "layernorm" or c.activation not in ACTIVATIONS:
-        return False
-    if model.training and (c.dropout or c.attn_dropout):
-        return False
-    if model.embed.weight.dtype != torch.float32 or type(model.norm) is not LayerNorm:
-        return False
-    for layer in model.layers:
-        attn = layer.attn
-        if (type(layer) is not EncoderLayer or not layer.norm_first
-                or type(attn) is not MultiHeadAttention or attn.in_proj is None
-                or attn.backend not in ("auto", "sdpa") or type(layer.ffn) is not FeedForward
-                or type(layer.norm1) is not LayerNorm or type(layer.norm2) is not LayerNorm):
-            return False
-        if not all(type(m) is QuantizedLinear for m in (attn.in_proj, attn.out_proj,
-                                                        layer.ffn.fc_in, layer.ffn.fc_out)):
-            return False
-    return True
+    reproduces (``fast_gpt.plain_gpt`` with int8 projections and LM head)."""
+    return (plain_gpt(model, linear=QuantizedLinear, dtypes=(torch.float32,))
+            and type(model.lm_head) is QuantizedLinear)
 
 
 def _parts(lin: QuantizedLinear) -> tuple[Tensor, Tensor, Tensor | None]:
