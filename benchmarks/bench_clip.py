@@ -9,21 +9,35 @@ Shapes: B batch, N text length, T image tokens, C tower width, L layers per towe
 2. Image-encoding throughput in eval (no grad): ``get_image_features`` vs ``encode_image``,
    images per second, alternating; goal >= 1.3x HF.
 
+What qkv computes: ``encode_image`` / ``encode_text`` (and so ``loss``) read only the pooled
+rows, so they skip what nobody reads — the last layer's query projection, attention, output
+projection and FFN run at the class / end-of-text token only (every token still a key/value),
+and the causal text tower runs on the real tokens up to each text's end-of-text token (the
+padding is never computed; HF computes it and masks it). Without gradients the layers reuse
+buffers and run quick_gelu in place; with gradients quick_gelu is one autograd Function
+saving only its input. Same math: the logits are compared before timing.
+
 Default sizes: ViT-S-like towers (C=384, L=12, 6 heads, MLP 1536) at 64 px with 8-px patches
 (T = 65), text N = 32 right-padded to lengths in [8, 32], B = 32 (``CLIPConfig``
 "clip-s-64"). The qkv model is loaded from the HF model's saved directory by ``from_hf``.
 
 Usage: python -m benchmarks.bench_clip [--quick] [--batch 32 --text-len 32 --repeats 5
-       --warmup 1 --threads 1]
-(``--quick``: tiny towers and one timed round, so the test suite can run it.)
+       --warmup 1 --threads 1 --clock wall|cpu]
+(``--quick``: tiny towers and one timed round, so the test suite can run it.
+``--clock cpu``: this process's CPU time (``time.process_time``) instead of wall time — on a
+machine shared with other jobs the wall time of a single-threaded run counts the time spent
+waiting for a core; with 1 thread CPU time measures the work itself.)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
+import statistics
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -74,6 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time.perf_counter (wall) or time.process_time (this process's CPU)")
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.text_len, args.image, args.dim, args.layers, args.heads = \
@@ -82,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     print("command: python -m benchmarks.bench_clip " + shlex.join(sys.argv[1:] if argv is None
                                                                    else argv))
+    print(f"load average {_load()}")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, B={args.batch}, "
           f"image {args.image}px patch {args.patch} (T={1 + (args.image // args.patch) ** 2}), "
           f"text N={args.text_len}, C={args.dim}, L={args.layers}, heads={args.heads}")
@@ -115,8 +132,8 @@ def main(argv: list[str] | None = None) -> None:
         opt_q.step()
         ours.clamp_logit_scale_()
 
-    train = side_by_side({"HF CLIPModel": step_hf, "qkv CLIP": step_qkv}, args.warmup,
-                         args.repeats)
+    timer = side_by_side if args.clock == "wall" else _side_by_side_cpu
+    train = timer({"HF CLIPModel": step_hf, "qkv CLIP": step_qkv}, args.warmup, args.repeats)
     hf.eval()
     ours.eval()
 
@@ -128,16 +145,42 @@ def main(argv: list[str] | None = None) -> None:
         with torch.inference_mode():
             ours.encode_image(px)
 
-    enc = side_by_side({"HF CLIPModel": enc_hf, "qkv CLIP": enc_qkv}, args.warmup,
-                       3 * args.repeats)
+    enc = timer({"HF CLIPModel": enc_hf, "qkv CLIP": enc_qkv}, args.warmup, 3 * args.repeats)
     rows = []
     for name in ("HF CLIPModel", "qkv CLIP"):
         rows.append([name, f"{train[name] * 1e3:.0f}",
                      f"{train['HF CLIPModel'] / train[name]:.2f}x",
                      f"{args.batch / enc[name]:.1f}", f"{enc['HF CLIPModel'] / enc[name]:.2f}x"])
-    print_table("CLIP training step and image encoding (fp32 CPU, medians)",
+    print_table(f"CLIP training step and image encoding (fp32 CPU, medians, {args.clock} "
+                f"time)",
                 ["model", "train step (ms)", "speed vs HF", "encode_image (img/s)",
                  "speed vs HF"], rows)
+    print(f"\nload average at the end {_load()} (1, 5, 15 min; the machine's cores: "
+          f"{os.cpu_count()})")
+
+
+def _side_by_side_cpu(fns, warmup: int, repeats: int) -> dict[str, float]:
+    """``side_by_side`` (alternating, the order flipped every round, medians) timed with
+    this process's CPU time (``time.process_time``, all its threads together)."""
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            t0 = time.process_time()
+            fns[name]()
+            times[name].append(time.process_time() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _load() -> str:
+    """The 1/5/15-minute load averages (other processes skew wall times)."""
+    try:
+        return ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return "unknown"
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..modules.layers import EncoderLayer
+from ..modules.layers import EncoderLayer, TokenRows
 from ..modules.norms import LayerNorm
 from ..modules.positions import Learned
 from .clip_loss import clip_loss
@@ -269,6 +269,73 @@ class CLIPTextTower(nn.Module):
                              f"(shape {tuple(input_ids.shape)})")
         return is_eos.int().argmax(dim=-1)  # (B,) the first eos
 
+    def _inputs(self, input_ids: Tensor, attention_mask: Tensor | None
+                ) -> tuple[Tensor, Tensor | None, Tensor]:
+        """Checked ``input_ids`` (B, N) as int32/int64, ``attention_mask`` as bool (B, N)
+        (None when not given) and the pooling positions (B,); errors as ``forward``."""
+        c = self.config
+        ids = check_token_ids("CLIP", "input_ids", input_ids, c.vocab_size, "vocab_size")
+        b, n = ids.shape
+        if n > c.max_len:
+            raise ValueError(f"CLIP: input_ids length N={n} exceeds the text tower's "
+                             f"max_len={c.max_len} (shape {tuple(ids.shape)})")
+        keep = None
+        if attention_mask is not None:
+            if (not isinstance(attention_mask, Tensor)
+                    or tuple(attention_mask.shape) != (b, n)
+                    or attention_mask.dtype.is_floating_point):
+                got = (f"{tuple(attention_mask.shape)} {attention_mask.dtype}"
+                       if isinstance(attention_mask, Tensor) else type(attention_mask).__name__)
+                raise ValueError(f"CLIP: attention_mask must be a bool/integer tensor of "
+                                 f"shape (B, N) = {(b, n)} (1 = real token), got {got}")
+            keep = attention_mask.to(device=ids.device, dtype=torch.bool)  # (B, N)
+        pool_at = self.pool_positions(ids)  # (B,)
+        if ids.dtype not in (torch.int64, torch.int32):
+            ids = ids.long()
+        return ids, keep, pool_at
+
+    def pooled_features(self, input_ids: Tensor, attention_mask: Tensor | None = None
+                        ) -> Tensor:
+        """``forward(input_ids, attention_mask).pooled`` (B, Ct) alone, computing only what
+        it reads. Attention is causal, so the pooled token (position p_b) sees positions
+        ≤ p_b only: the layers run on the token rows (``EncoderLayer.forward_rows``) of the
+        real tokens up to each row's pooled token (padding and everything after the
+        end-of-text token skipped), the length cut to max(p_b) + 1, and the last layer (and
+        the final norm) at the pooled tokens alone (``EncoderLayer.forward_rows_at``; a
+        wrapped last layer — hooks, FSDP, activation checkpointing — runs in full). Same
+        arguments and errors as ``forward``."""
+        ids, keep, pool_at = self._inputs(input_ids, attention_mask)
+        b = ids.shape[0]
+        n = int(pool_at.max()) + 1  # nothing after the last pooled token matters
+        ids = ids[:, :n]
+        pos = torch.arange(n, device=ids.device)  # (N,)
+        keys = pos <= pool_at[:, None]  # (B, N) keys each pooled token may see
+        if keep is not None:
+            keys &= keep[:, :n]
+        real = keys | (pos == pool_at[:, None])  # (B, N) the rows computed
+        # real keys form a prefix of every row (right padding): causal alone masks the rest
+        prefix = bool((keys.sum(dim=-1) == pool_at + 1).all())
+        mask = None if prefix else keys[:, None, None, :]  # (B, 1, 1, N) True = may attend
+        rows = TokenRows(None if bool(real.all()) else real, batch=b, length=n)
+        flat_pos = pos.expand(b, n).reshape(-1)  # (B·N,)
+        if rows.index is not None:
+            flat_pos = flat_pos.index_select(0, rows.index)  # (T,)
+        h = self.token_embed(rows.pack(ids)) + self.position.weight[flat_pos]  # (T, Ct)
+        h = self.drop(h)
+        bufs: dict[str, Tensor] | None = None if torch.is_grad_enabled() else {}
+        layers = list(self.layers)
+        last = layers[-1] if layers[-1].rows_at_direct() else None
+        for layer in layers if last is None else layers[:-1]:
+            h = layer.forward_rows(h, rows, mask=mask, causal=True, bufs=bufs)
+        # the pooled tokens' rows in h
+        flat_at = torch.arange(b, device=ids.device) * n + pool_at  # (B,) in B·N
+        if rows.index is not None:
+            flat_at = torch.searchsorted(rows.index, flat_at)  # (B,) in T
+        if last is None:
+            return self.norm(h.index_select(0, flat_at))  # (B, Ct)
+        h = last.forward_rows_at(h, rows, flat_at, mask=keys[:, None, None, :], bufs=bufs)
+        return self.norm(h)  # (B, Ct)
+
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, *,
                 output_hidden_states: bool = False,
                 output_attentions: bool = False) -> CLIPTextOutput:
@@ -280,27 +347,11 @@ class CLIPTextTower(nn.Module):
         integer ids, ids out of range, N > max_len, a mask of another shape, a row without
         its end-of-text token.
         """
-        c = self.config
-        ids = check_token_ids("CLIP", "input_ids", input_ids, c.vocab_size, "vocab_size")
+        ids, keep, pool_at = self._inputs(input_ids, attention_mask)
         b, n = ids.shape
-        if n > c.max_len:
-            raise ValueError(f"CLIP: input_ids length N={n} exceeds the text tower's "
-                             f"max_len={c.max_len} (shape {tuple(ids.shape)})")
         mask = None
-        if attention_mask is not None:
-            if (not isinstance(attention_mask, Tensor)
-                    or tuple(attention_mask.shape) != (b, n)
-                    or attention_mask.dtype.is_floating_point):
-                got = (f"{tuple(attention_mask.shape)} {attention_mask.dtype}"
-                       if isinstance(attention_mask, Tensor) else type(attention_mask).__name__)
-                raise ValueError(f"CLIP: attention_mask must be a bool/integer tensor of "
-                                 f"shape (B, N) = {(b, n)} (1 = real token), got {got}")
-            keep = attention_mask.to(device=ids.device, dtype=torch.bool)  # (B, N)
-            if not bool(keep.all()):  # no padding: the kernel runs with causal alone
-                mask = keep[:, None, None, :]  # (B, 1, 1, N) True = may attend
-        pool_at = self.pool_positions(ids)  # (B,)
-        if ids.dtype not in (torch.int64, torch.int32):
-            ids = ids.long()
+        if keep is not None and not bool(keep.all()):  # no padding: causal alone
+            mask = keep[:, None, None, :]  # (B, 1, 1, N) True = may attend
         x = self.token_embed(ids) + self.position.weight[:n]  # (B, N, Ct)
         x = self.drop(x)
         hidden = [x] if output_hidden_states else None
@@ -401,12 +452,12 @@ class CLIP(PretrainedMixin, nn.Module):
     def encode_image(self, pixel_values: Tensor) -> Tensor:
         """Image embeddings (B_img, E), not normalised: the projected pooled features of
         ``pixel_values`` (B_img, Cin, Hi, Wi) (see ``ViT.forward``)."""
-        return self.visual_projection(self.vision(pixel_values).pooled)
+        return self.visual_projection(self.vision.pooled_features(pixel_values))
 
     def encode_text(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """Text embeddings (B_txt, E), not normalised: the projected end-of-text states of
         ``input_ids`` (B_txt, N) with ``attention_mask`` (B_txt, N), 1 = real token."""
-        return self.text_projection(self.text(input_ids, attention_mask).pooled)
+        return self.text_projection(self.text.pooled_features(input_ids, attention_mask))
 
     def forward(self, pixel_values: Tensor, input_ids: Tensor,
                 attention_mask: Tensor | None = None, *, output_hidden_states: bool = False,

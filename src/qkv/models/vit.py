@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..modules.feedforward import ACTIVATIONS
-from ..modules.layers import EncoderLayer
+from ..modules.layers import EncoderLayer, TokenRows
 from ..modules.norms import LayerNorm
 from .hub import ModelConfig, PretrainedMixin
 
@@ -366,16 +366,20 @@ class ViT(PretrainedMixin, nn.Module):
         x = self.embed(pixel_values)  # (B, T, C)
         hidden = [x] if output_hidden_states else None
         attentions = [] if output_attentions else None
+        # The layers run on the (B·T, C) rows (EncoderLayer.forward_rows; nothing is padded:
+        # the same math as the layers' forward): without gradients the wide projections
+        # reuse buffers from layer to layer and the activation runs in place.
+        rows = TokenRows(None, batch=x.shape[0], length=x.shape[1])
+        h = rows.pack(x)  # (B·T, C)
+        bufs: dict[str, Tensor] | None = None if torch.is_grad_enabled() else {}
         for layer in self.layers:
-            out = layer(x, need_weights=output_attentions)
+            h = layer.forward_rows(h, rows, need_weights=output_attentions, bufs=bufs)
             if output_attentions:
-                x, wts = out
+                h, wts = h
                 attentions.append(wts)
-            else:
-                x = out
             if hidden is not None:
-                hidden.append(x)
-        x = self.norm(x)  # (B, T, C)
+                hidden.append(rows.unpack(h))
+        x = self.norm(rows.unpack(h))  # (B, T, C)
         pooled = self.pool(x)  # (B, C)
         return ViTOutput(
             last_hidden_state=x, pooled=pooled,
@@ -383,6 +387,29 @@ class ViT(PretrainedMixin, nn.Module):
             logits=None if self.head is None else self.head(pooled),
             hidden_states=None if hidden is None else tuple(hidden),
             attentions=None if attentions is None else tuple(attentions))
+
+    def pooled_features(self, pixel_values: Tensor) -> Tensor:
+        """``forward(pixel_values).pooled`` (B, C) alone, computing only what it reads: with
+        ``pooling="cls"`` the last layer's query projection, attention, output projection,
+        FFN and the final norm run for the class tokens only (``EncoderLayer
+        .forward_rows_at``; every token is still a key/value), i.e. ~3/4 of the last layer
+        is skipped. A last layer that is wrapped (hooks, FSDP, activation checkpointing) or
+        mean pooling runs in full. Same arguments and errors as ``forward``."""
+        x = self.embed(pixel_values)  # (B, T, C)
+        b, t, _ = x.shape
+        rows = TokenRows(None, batch=b, length=t)
+        h = rows.pack(x)  # (B·T, C)
+        bufs: dict[str, Tensor] | None = None if torch.is_grad_enabled() else {}
+        layers = list(self.layers)
+        last = layers[-1] if layers and self.config.pooling == "cls" else None
+        if last is not None and not last.rows_at_direct():
+            last = None
+        for layer in layers if last is None else layers[:-1]:
+            h = layer.forward_rows(h, rows, bufs=bufs)
+        if last is None:
+            return self.pool(self.norm(rows.unpack(h)))  # (B, C)
+        at = torch.arange(b, device=h.device) * t  # (B,) the class tokens' rows
+        return self.norm(last.forward_rows_at(h, rows, at, bufs=bufs))  # (B, C)
 
     # --- HuggingFace --------------------------------------------------------------------
     @classmethod

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from ..ops import attention
 from .attention import MultiHeadAttention
 from .cache import KVCache
-from .feedforward import ACTIVATIONS, FeedForward, SwiGLU
+from .feedforward import ACTIVATIONS, FeedForward, SwiGLU, quick_gelu_
 from .norms import make_norm
 
 __all__ = ["DecoderLayer", "EncoderLayer", "TokenRows"]
@@ -74,15 +74,25 @@ class TokenRows:
         return out.index_copy_(0, self.index, h).view(shape)
 
 
+def _buffer(bufs: dict[str, Tensor], name: str, like: Tensor,
+            shape: tuple[int, ...] | None = None) -> Tensor:
+    """``bufs[name]``, (re)allocated when its shape (default ``like``'s), dtype or device
+    differ (no-grad only)."""
+    shape = tuple(like.shape) if shape is None else shape
+    out = bufs.get(name)
+    if out is None or out.shape != shape or out.dtype != like.dtype or out.device != like.device:
+        out = bufs[name] = like.new_empty(shape)
+    return out
+
+
 def _linear(lin: nn.Linear, x: Tensor, bufs: dict[str, Tensor] | None, name: str) -> Tensor:
     """``lin(x)`` for x (T, Cin) -> (T, Cout), written into ``bufs[name]`` when given
     (no-grad only: the buffer is overwritten by the next layer)."""
-    if bufs is None or lin.bias is None:
+    if bufs is None:
         return lin(x)
-    shape = (x.shape[0], lin.out_features)
-    out = bufs.get(name)
-    if out is None or out.shape != shape or out.dtype != x.dtype or out.device != x.device:
-        out = bufs[name] = x.new_empty(shape)
+    out = _buffer(bufs, name, x, (x.shape[0], lin.out_features))
+    if lin.bias is None:
+        return torch.mm(x, lin.weight.t(), out=out)
     return torch.addmm(lin.bias, x, lin.weight.t(), out=out)
 
 
@@ -230,6 +240,63 @@ class EncoderLayer(nn.Module):
             h = self.norm2(self._ffn_rows(h, bufs).add_(h))
         return (h, weights) if need_weights else h
 
+    def rows_at_direct(self) -> bool:
+        """True when ``forward_rows_at`` may stand in for a call of this layer: it is a plain
+        ``EncoderLayer`` (``rows_are_direct()``, no rope) whose calls nothing wraps — no
+        forward hooks, no FSDP (``fully_shard`` changes the class), no activation
+        checkpointing (which replaces ``forward`` / ``forward_rows`` on the instance)."""
+        return (type(self) is EncoderLayer and self.rows_are_direct()
+                and self.attn.rope is None
+                and not (self._forward_hooks or self._forward_pre_hooks)
+                and not {"forward", "forward_rows"} & vars(self).keys())
+
+    def forward_rows_at(self, h: Tensor, rows: TokenRows, at: Tensor, *, mask=None,
+                        bufs: dict[str, Tensor] | None = None) -> Tensor:
+        """The layer's output at one query row per sequence only (a last layer whose other
+        rows nobody reads: a class token, an end-of-text token).
+
+        Args:
+            h: (T, C) token rows, as for ``forward_rows``; every row is a key/value.
+            rows: their ``TokenRows`` (B sequences of length N).
+            at: (B,) integer, the row of h (0 ≤ at[b] < T) that is sequence b's query.
+            mask: True = may attend, broadcastable to (B, H, 1, N): each query's keys in the
+                padded (B, N) layout, where padded keys are zeros and must be masked (e.g.
+                real keys at positions ≤ the query's for a causal layer); None: all N keys.
+            bufs: as for ``forward_rows`` (no grad only).
+
+        Returns:
+            (B, C): row b equals ``forward_rows(h, rows, ...)[at[b]]`` for the full mask
+            whose query row is ``mask``; only the key/value projections see all T rows, the
+            query projection, attention, output projection, norms and FFN see the B queries.
+
+        Raises:
+            ValueError when the layer is not ``rows_are_direct()`` or has rope (positions of
+            the queries would be needed): run ``forward_rows`` and pick the rows instead.
+        """
+        attn = self.attn
+        if not self.rows_are_direct() or attn.rope is not None:
+            raise ValueError("EncoderLayer.forward_rows_at: needs a plain MultiHeadAttention "
+                             "with a fused in_proj and no rope; use forward_rows")
+        b = rows.batch
+        dq = attn._splits[0]
+        a_in = self.norm1(h) if self.norm_first else h  # (T, C)
+        proj = _linear(attn.in_proj, a_in, bufs, "proj")  # (T, (H + 2·Hkv)·D)
+        q = proj.index_select(0, at)[:, :dq]  # (B, H·D)
+        q = q.reshape(b, 1, attn.num_heads, attn.head_dim).transpose(1, 2)  # (B, H, 1, D)
+        kv = rows.unpack(proj[:, dq:])  # (B, N, 2·Hkv·D), zeros at padded positions
+        k, v = kv.split(attn._splits[1:], dim=-1)  # (B, N, Hkv·D) each
+        k = attn._heads(k, attn.num_kv_heads)  # (B, Hkv, N, D)
+        v = attn._heads(v, attn.num_kv_heads)  # (B, Hkv, N, D)
+        out = attention(q, k, v, mask=mask, dropout_p=attn.dropout if attn.training else 0.0,
+                        backend=attn.backend)  # (B, H, 1, D)
+        a = self.dropout(attn.out_proj(out.transpose(1, 2).reshape(b, dq)))  # (B, C)
+        x = h.index_select(0, at)  # (B, C)
+        if self.norm_first:
+            x = a.add_(x)
+            return self._ffn_rows(self.norm2(x), None).add_(x)
+        x = self.norm1(a.add_(x))
+        return self.norm2(self._ffn_rows(x, None).add_(x))
+
     def _ffn_rows(self, h: Tensor, bufs: dict[str, Tensor] | None) -> Tensor:
         """The feed-forward on rows (T, C), then the residual dropout; a plain
         ``FeedForward`` writes its wide activation into ``bufs`` and applies it in place."""
@@ -237,8 +304,11 @@ class EncoderLayer(nn.Module):
         if type(ffn) is not FeedForward or type(ffn.fc_in) is not nn.Linear:
             return self.dropout(ffn(h))
         f = _linear(ffn.fc_in, h, bufs, "ffn")  # (T, F)
-        inplace = None if bufs is None else _INPLACE_ACTIVATIONS.get(ffn.activation)
-        f = inplace(f) if inplace is not None else ACTIVATIONS[ffn.activation](f)
+        if bufs is not None and ffn.activation == "quick_gelu":
+            f = quick_gelu_(f, buffer=_buffer(bufs, "act", f))  # (T, F), in place
+        else:
+            inplace = None if bufs is None else _INPLACE_ACTIVATIONS.get(ffn.activation)
+            f = inplace(f) if inplace is not None else ACTIVATIONS[ffn.activation](f)
         return self.dropout(ffn.fc_out(ffn.dropout(f)))  # (T, C)
 
 
