@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .hf_config import BERT_FIELDS, HF_ACTIVATIONS, audit_hf_config
+from .hf_state import map_hf_state as map_state
 from .hub import CheckpointError
 
 __all__ = ["config_from_hf", "map_hf_state", "normalise_hf_state"]
@@ -91,33 +92,4 @@ def normalise_hf_state(state: dict[str, Tensor], source: str,
 def map_hf_state(model: nn.Module, state: dict[str, Tensor], source: str) -> dict[str, Tensor]:
     """HF keys -> the keys of ``model`` (a ``BERT``: its ``hf_key_map()``), fusing q/k/v
     (each (C, ...) -> in_proj (3C, ...), rows q, k, v); errors in HF names."""
-    own = model.state_dict()
-    mapped: dict[str, Tensor] = {}
-    used: set[str] = set()
-    missing: list[str] = []
-    shapes: list[str] = []
-    for key, hf in model.hf_key_map().items():
-        names = hf if isinstance(hf, tuple) else (hf,)
-        want = own[key].shape
-        part = (want[0] // len(names), *want[1:])  # q/k/v each (C, ...) of (3C, ...)
-        absent = [n for n in names if n not in state]
-        missing.extend(absent)
-        bad = [f"{n}: checkpoint {tuple(state[n].shape)} vs expected {tuple(part)}"
-               for n in names if n in state and state[n].shape != part]
-        shapes.extend(bad)
-        used.update(n for n in names if n in state)
-        if not absent and not bad:
-            parts = [state[n] for n in names]
-            mapped[key] = parts[0] if len(parts) == 1 else torch.cat(parts)  # rows q, k, v
-    unknown = sorted(set(state) - used)
-    if missing or unknown or shapes:
-        msg = []
-        if missing:
-            msg.append(f"missing keys {missing[:10]}{' ...' if len(missing) > 10 else ''}")
-        if unknown:
-            msg.append(f"unknown keys {unknown[:10]}{' ...' if len(unknown) > 10 else ''}")
-        if shapes:
-            msg.append("shape mismatches " + "; ".join(shapes[:10]))
-        raise CheckpointError(f"{source}: HuggingFace BERT checkpoint does not match its "
-                              f"config: " + "; ".join(msg))
-    return mapped
+    return map_state(model.state_dict(), model.hf_key_map(), state, source, "BERT")

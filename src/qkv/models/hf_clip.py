@@ -24,7 +24,8 @@ from .hf_config import (
     CLIP_VISION_FIELDS,
     audit_hf_config,
 )
-from .hf_vit import layer_key_map, map_hf_state, square
+from .hf_state import map_hf_state
+from .hf_vit import layer_key_map, square
 from .hub import CONFIG_NAME, CheckpointError, check_and_load, load_state_dict_file, read_json
 
 __all__ = ["clip_key_map", "config_from_hf", "load_hf_clip"]

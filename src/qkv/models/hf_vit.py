@@ -16,10 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from .hf_config import HF_ACTIVATIONS, VIT_FIELDS, audit_hf_config
+from .hf_state import KeyMap, map_hf_state
 from .hub import CONFIG_NAME, CheckpointError, check_and_load, load_state_dict_file, read_json
 
 __all__ = ["config_from_hf", "convert_hf_state", "layer_key_map", "load_hf_vit", "map_hf_state",
@@ -31,7 +31,6 @@ _HF_DEFAULTS = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_head
                 "attention_probs_dropout_prob": 0.0, "layer_norm_eps": 1e-12,
                 "image_size": 224, "patch_size": 16, "num_channels": 3, "qkv_bias": True}
 
-KeyMap = dict[str, "str | tuple[str, ...]"]
 
 
 def square(value: Any) -> Any:
@@ -73,46 +72,6 @@ def layer_key_map(num_layers: int, ours: str, theirs: str, names: dict[str, str]
                             ("ffn.fc_in", "fc_in"), ("ffn.fc_out", "fc_out")):
                 m[f"{q}{own}.{p}"] = f"{h}{names[hf]}.{p}"
     return m
-
-
-def map_hf_state(own: dict[str, Tensor], key_map: KeyMap, state: dict[str, Tensor],
-                 source: str, what: str) -> dict[str, Tensor]:
-    """HF tensors -> the keys of ``own`` (a model's state dict) by ``key_map`` (each qkv key
-    -> an HF key, or a tuple of HF keys concatenated along dim 0: the fused q, k, v).
-
-    Raises:
-        CheckpointError (nothing loaded) naming missing, unknown and mis-shaped HF keys;
-        ``what`` names the checkpoint kind in the message.
-    """
-    mapped: dict[str, Tensor] = {}
-    used: set[str] = set()
-    missing: list[str] = []
-    shapes: list[str] = []
-    for key, hf in key_map.items():
-        names = hf if isinstance(hf, tuple) else (hf,)
-        want = own[key].shape
-        part = (want[0] // len(names), *want[1:])  # q/k/v each (C, ...) of (3C, ...)
-        absent = [n for n in names if n not in state]
-        missing.extend(absent)
-        bad = [f"{n}: checkpoint {tuple(state[n].shape)} vs expected {tuple(part)}"
-               for n in names if n in state and tuple(state[n].shape) != tuple(part)]
-        shapes.extend(bad)
-        used.update(n for n in names if n in state)
-        if not absent and not bad:
-            parts = [state[n] for n in names]
-            mapped[key] = parts[0] if len(parts) == 1 else torch.cat(parts)  # rows q, k, v
-    unknown = sorted(set(state) - used)
-    if missing or unknown or shapes:
-        msg = []
-        if missing:
-            msg.append(f"missing keys {missing[:10]}{' ...' if len(missing) > 10 else ''}")
-        if unknown:
-            msg.append(f"unknown keys {unknown[:10]}{' ...' if len(unknown) > 10 else ''}")
-        if shapes:
-            msg.append("shape mismatches " + "; ".join(shapes[:10]))
-        raise CheckpointError(f"{source}: HuggingFace {what} checkpoint does not match its "
-                              f"config: " + "; ".join(msg))
-    return mapped
 
 
 _VIT_LAYER = {"q": "attention.attention.query", "k": "attention.attention.key",

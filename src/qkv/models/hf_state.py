@@ -1,0 +1,60 @@
+"""HuggingFace state dicts -> qkv state dicts by a key map: the one place where HF's separate
+query/key/value tensors are fused and where a checkpoint that does not match its config is
+reported (missing, unknown and mis-shaped keys, in HF's names). Used by ``hf_bert``,
+``hf_vit`` and ``hf_clip``.
+
+Shapes: C model width; HF's q/k/v (C, ...) each -> qkv's fused ``in_proj`` (3C, ...), rows
+q, k, v.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .hub import CheckpointError
+
+__all__ = ["KeyMap", "map_hf_state"]
+
+KeyMap = dict[str, "str | tuple[str, ...]"]
+"""qkv state-dict key -> an HF key, or a tuple of HF keys concatenated along dim 0."""
+
+
+def map_hf_state(own: dict[str, Tensor], key_map: KeyMap, state: dict[str, Tensor],
+                 source: str, what: str) -> dict[str, Tensor]:
+    """HF tensors -> the keys of ``own`` (a model's state dict) by ``key_map`` (each qkv key
+    -> an HF key, or a tuple of HF keys concatenated along dim 0: the fused q, k, v).
+
+    Raises:
+        CheckpointError (nothing loaded) naming missing, unknown and mis-shaped HF keys;
+        ``what`` names the checkpoint kind in the message.
+    """
+    mapped: dict[str, Tensor] = {}
+    used: set[str] = set()
+    missing: list[str] = []
+    shapes: list[str] = []
+    for key, hf in key_map.items():
+        names = hf if isinstance(hf, tuple) else (hf,)
+        want = own[key].shape
+        part = (want[0] // len(names), *want[1:])  # q/k/v each (C, ...) of (3C, ...)
+        absent = [n for n in names if n not in state]
+        missing.extend(absent)
+        bad = [f"{n}: checkpoint {tuple(state[n].shape)} vs expected {tuple(part)}"
+               for n in names if n in state and tuple(state[n].shape) != tuple(part)]
+        shapes.extend(bad)
+        used.update(n for n in names if n in state)
+        if not absent and not bad:
+            parts = [state[n] for n in names]
+            mapped[key] = parts[0] if len(parts) == 1 else torch.cat(parts)  # rows q, k, v
+    unknown = sorted(set(state) - used)
+    if missing or unknown or shapes:
+        msg = []
+        if missing:
+            msg.append(f"missing keys {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+        if unknown:
+            msg.append(f"unknown keys {unknown[:10]}{' ...' if len(unknown) > 10 else ''}")
+        if shapes:
+            msg.append("shape mismatches " + "; ".join(shapes[:10]))
+        raise CheckpointError(f"{source}: HuggingFace {what} checkpoint does not match its "
+                              f"config: " + "; ".join(msg))
+    return mapped
