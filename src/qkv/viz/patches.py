@@ -345,16 +345,7 @@ def draw_image_grid(images: Tensor | Sequence[object], path: str | os.PathLike, 
         ``path`` as a ``Path``.
     """
     fn = "draw_image_grid"
-    if isinstance(images, Tensor):
-        if images.dim() != 4:
-            raise ValueError(f"{fn}: images must be (B, 3, H, W), got shape "
-                             f"{tuple(images.shape)}")
-        items = list(images)
-    elif isinstance(images, Sequence) and not isinstance(images, (str, bytes)):
-        items = list(images)
-    else:
-        raise TypeError(f"{fn}: images must be a (B, 3, H, W) tensor or a list of images, got "
-                        f"{type(images).__name__}")
+    items = _image_list(images, fn)
     n = len(items)
     if n == 0:
         raise ValueError(f"{fn}: images is empty")
@@ -421,16 +412,7 @@ def draw_similarity(images: Tensor | Sequence[object], captions: Sequence[str],
     import matplotlib
 
     fn = "draw_similarity"
-    if isinstance(images, Tensor):
-        if images.dim() != 4:
-            raise ValueError(f"{fn}: images must be (B, 3, H, W), got shape "
-                             f"{tuple(images.shape)}")
-        items = list(images)
-    elif isinstance(images, Sequence) and not isinstance(images, (str, bytes)):
-        items = list(images)
-    else:
-        raise TypeError(f"{fn}: images must be a (B, 3, H, W) tensor or a list of images, got "
-                        f"{type(images).__name__}")
+    items = _image_list(images, fn)
     if isinstance(captions, (str, bytes)) or not isinstance(captions, Sequence):
         raise TypeError(f"{fn}: captions must be a list of strings, got "
                         f"{type(captions).__name__}")
@@ -482,3 +464,17 @@ def draw_similarity(images: Tensor | Sequence[object], captions: Sequence[str],
         if title:
             ax.set_title(display_token(title), fontsize=9, parse_math=False)
         return _save(fig, path)
+
+
+def _image_list(images, fn: str) -> list:
+    """A (B, 3, H, W) tensor or a sequence of images -> a list of B images; errors name
+    ``fn``."""
+    if isinstance(images, Tensor):
+        if images.dim() != 4:
+            raise ValueError(f"{fn}: images must be (B, 3, H, W), got shape "
+                             f"{tuple(images.shape)}")
+        return list(images)
+    if isinstance(images, Sequence) and not isinstance(images, (str, bytes)):
+        return list(images)
+    raise TypeError(f"{fn}: images must be a (B, 3, H, W) tensor or a list of images, got "
+                    f"{type(images).__name__}")
