@@ -23,6 +23,7 @@ from qkv.viz import (
     cls_attention,
     draw_image_grid,
     draw_patch_attention,
+    draw_similarity,
     overlay_attention,
 )
 
@@ -222,6 +223,11 @@ def test_draw_image_grid_with_captions_and_maps(tmp_path):
     (lambda p: draw_image_grid([], p), ValueError, "empty"),
     (lambda p: draw_image_grid(torch.rand(3, 4, 4), p), ValueError, r"\(B, 3, H, W\)"),
     (lambda p: draw_image_grid(torch.rand(2, 3, 4, 4), p, columns=0), ValueError, "columns"),
+    (lambda p: draw_image_grid("cat.png", p), TypeError, "draw_image_grid: images must be"),
+    (lambda p: draw_similarity(torch.rand(3, 4, 4), ["a"], torch.rand(1, 1), p), ValueError,
+     r"draw_similarity: images must be \(B, 3, H, W\)"),
+    (lambda p: draw_similarity(7, ["a"], torch.rand(1, 1), p), TypeError,
+     "draw_similarity: images must be"),
     (lambda p: draw_patch_attention(torch.rand(3, 4, 4) * 3, torch.rand(2, 2), p),
      ValueError, r"\[0, 1\]"),
     (lambda p: draw_patch_attention(torch.rand(4, 4, 3), torch.rand(2, 2), p), ValueError,

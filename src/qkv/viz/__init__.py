@@ -10,7 +10,8 @@ Shapes: L layers, H heads, N query length, S key length.
 - ``attention_html(maps, tokens=..., path=...)``: one self-contained interactive HTML page.
 - Image patches (``qkv.viz.patches``): ``attention_rollout(attentions)`` (L × (B, H, T, T)
   -> (B, gh, gw)), ``cls_attention``, ``overlay_attention``, ``draw_patch_attention(image,
-  grid, path)``, ``draw_image_grid(images, path, captions=..., maps=...)``.
+  grid, path)``, ``draw_image_grid(images, path, captions=..., maps=...)``,
+  ``draw_similarity(images, captions, similarity, path)`` (a CLIP image × text matrix).
 
 Example::
 
@@ -31,6 +32,7 @@ from .patches import (
     cls_attention,
     draw_image_grid,
     draw_patch_attention,
+    draw_similarity,
     overlay_attention,
 )
 from .plots import plot_alignment, plot_attention_grid
@@ -38,4 +40,4 @@ from .plots import plot_alignment, plot_attention_grid
 __all__ = ["MAP_NAMES", "attention_html", "attention_maps", "display_token", "font_setup",
            "plot_alignment", "plot_attention_grid", "token_labels"]
 __all__ += ["attention_rollout", "cls_attention", "draw_image_grid", "draw_patch_attention",
-            "overlay_attention"]
+            "draw_similarity", "overlay_attention"]
