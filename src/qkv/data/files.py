@@ -6,9 +6,10 @@ where there is one, the line.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["DataError", "read_pairs", "read_text"]
+__all__ = ["DataError", "read_pairs", "read_text", "tab_lines"]
 
 
 class DataError(ValueError):
@@ -30,6 +31,23 @@ def _read_utf8(path: str | os.PathLike) -> str:
                         f"{err.start})") from err
 
 
+def tab_lines(path: str | os.PathLike, left: str, right: str
+              ) -> Iterator[tuple[int, str, str]]:
+    """The non-blank lines of a UTF-8 TSV file of two columns as ``(line number, left text,
+    right text)`` (a ``\\r\\n`` ending dropped); a line without exactly one tab is a
+    ``DataError`` naming the file, the line and the columns ``left<TAB>right``."""
+    for number, line in enumerate(_read_utf8(path).split("\n"), start=1):
+        line = line.removesuffix("\r")
+        if not line.strip():
+            continue
+        tabs = line.count("\t")
+        if tabs != 1:
+            what = "no tab" if tabs == 0 else f"{tabs} tabs"
+            raise DataError(f"{path}:{number}: expected {left}<TAB>{right}, found {what}")
+        a, b = line.split("\t")
+        yield number, a, b
+
+
 def read_pairs(path: str | os.PathLike) -> list[tuple[str, str]]:
     """Read ``source<TAB>target`` lines (UTF-8) into ``(source, target)`` pairs.
 
@@ -37,17 +55,8 @@ def read_pairs(path: str | os.PathLike) -> list[tuple[str, str]]:
     Each non-blank line must hold exactly one tab with text on both sides; otherwise a
     ``DataError`` names the file and line number. A file with no pairs is an error too.
     """
-    text = _read_utf8(path)
     pairs = []
-    for number, line in enumerate(text.split("\n"), start=1):
-        line = line.removesuffix("\r")
-        if not line.strip():
-            continue
-        tabs = line.count("\t")
-        if tabs != 1:
-            what = "no tab" if tabs == 0 else f"{tabs} tabs"
-            raise DataError(f"{path}:{number}: expected source<TAB>target, found {what}")
-        source, target = line.split("\t")
+    for number, source, target in tab_lines(path, "source", "target"):
         for side, value in (("source", source), ("target", target)):
             if not value.strip():
                 raise DataError(f"{path}:{number}: empty {side}")

@@ -44,7 +44,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from torch import Tensor
 
-from .files import DataError, _read_utf8
+from .files import DataError, tab_lines
 
 __all__ = ["ImageFolderDataset", "load_image"]
 
@@ -154,16 +154,7 @@ class ImageFolderDataset:
         self.captions: list[str] = []
         self.lines: list[int] = []
         root = folder.resolve()
-        text = _read_utf8(tsv)
-        for number, line in enumerate(text.split("\n"), start=1):
-            line = line.removesuffix("\r")
-            if not line.strip():
-                continue
-            tabs = line.count("\t")
-            if tabs != 1:
-                what = "no tab" if tabs == 0 else f"{tabs} tabs"
-                raise DataError(f"{tsv}:{number}: expected file<TAB>caption, found {what}")
-            name, caption = line.split("\t")
+        for number, name, caption in tab_lines(tsv, "file", "caption"):
             if number == 1 and (name.strip().lower(), caption.strip().lower()) == _HEADER:
                 continue
             if not name.strip():
