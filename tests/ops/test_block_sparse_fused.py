@@ -219,9 +219,9 @@ def test_longformer_row_blocks_and_grouped_kv():
         torch.testing.assert_close(a.double(), b.double(), atol=5e-5, rtol=5e-6)
 
 
-def test_fused_path_calls_the_kernel_and_never_the_tiles(monkeypatch):
-    """Spy: with a plain BigBird mask the flash forward/backward ops run (one call per
-    query block at most) and the explicit tile loops never do."""
+def _spy_flash_refuse_tiles(monkeypatch) -> dict[str, int]:
+    """Count calls of the flash forward/backward ops ({"fwd": n, "bwd": n}, updated as they
+    run) and make the explicit tile loops raise."""
     counts = {"fwd": 0, "bwd": 0}
     real_fwd, real_bwd = sparse_mod._flash_fwd, sparse_mod._flash_bwd
 
@@ -240,6 +240,13 @@ def test_fused_path_calls_the_kernel_and_never_the_tiles(monkeypatch):
     monkeypatch.setattr(sparse_mod, "_flash_bwd", bwd)
     monkeypatch.setattr(chunked_mod, "tiles_forward", refuse)
     monkeypatch.setattr(chunked_mod, "tiles_backward", refuse)
+    return counts
+
+
+def test_fused_path_calls_the_kernel_and_never_the_tiles(monkeypatch):
+    """Spy: with a plain BigBird mask the flash forward/backward ops run (one call per
+    query block at most) and the explicit tile loops never do."""
+    counts = _spy_flash_refuse_tiles(monkeypatch)
     q, k, v = _qkv(1, 2, 64, 64, 8, torch.float32)
     out = chunked_attention(q, k, v, mask=BigBird(8, random_blocks=1), scale=SCALE)[0]
     out.sum().backward()
@@ -342,24 +349,7 @@ def test_padded_fused_path_never_runs_the_tiles(monkeypatch):
     qkv.attention, NaN in the padded keys/values (zeroed there first) does not leak in."""
     import qkv
 
-    counts = {"fwd": 0, "bwd": 0}
-    real_fwd, real_bwd = sparse_mod._flash_fwd, sparse_mod._flash_bwd
-
-    def fwd(*a, **kw):
-        counts["fwd"] += 1
-        return real_fwd(*a, **kw)
-
-    def bwd(*a, **kw):
-        counts["bwd"] += 1
-        return real_bwd(*a, **kw)
-
-    def refuse(*a, **kw):
-        raise AssertionError("explicit tiles ran")
-
-    monkeypatch.setattr(sparse_mod, "_flash_fwd", fwd)
-    monkeypatch.setattr(sparse_mod, "_flash_bwd", bwd)
-    monkeypatch.setattr(chunked_mod, "tiles_forward", refuse)
-    monkeypatch.setattr(chunked_mod, "tiles_backward", refuse)
+    counts = _spy_flash_refuse_tiles(monkeypatch)
     n = s = 64
     mask = BigBird(8, random_blocks=1, causal=True) & Padding(torch.tensor([64, 37]))
     q, k, v = _qkv(2, 2, n, s, 8, torch.float32)
