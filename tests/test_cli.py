@@ -30,3 +30,18 @@ def test_unknown_command_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["no-such-command"])
     assert exc.value.code == 2
+
+
+def test_demo_help_states_the_demos_real_step_budgets(capsys):
+    """`qkv demo --help` quotes the step budgets the demos use (it once said 1300 for clip
+    after the budget became 800)."""
+    from qkv.demos import clip as clip_demo
+    from qkv.demos import flamingo as flamingo_demo
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"coloured shapes ({clip_demo.DEMO_TRAINING['steps']} steps)" in text
+    assert f"clip: default {clip_demo.DEMO_TRAINING['steps']};" in text
+    assert f"its Flamingo steps, default {flamingo_demo.STEPS};" in text
+    assert f"train one first, {flamingo_demo.VISION_STEPS} steps" in text

@@ -26,9 +26,9 @@ EXAMPLES = """examples:
                                  "3 March 2021" outputs (<= 4 min on 2 CPU cores)
   qkv demo lora --base runs/my-demo   adapt a finished `qkv demo` run instead
   qkv demo coref                 attention links pronouns to their nouns
-  qkv demo clip                  train a small CLIP on coloured shapes (1300 steps), print
+  qkv demo clip                  train a small CLIP on coloured shapes (800 steps), print
                                  zero-shot accuracy on held-out colour/shape combinations
-  qkv demo clip --steps 900      a shorter run (the budget is in steps)
+  qkv demo clip --steps 400      a shorter run (the budget is in steps)
   qkv demo flamingo              a frozen GPT learns to answer questions about shapes images
                                  (resampler + gated cross-attention; ~4 min of CPU time)
   qkv demo flamingo --vision runs/my-clip   reuse a `qkv demo clip` run as the image tower
@@ -53,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="lora only: a finished `qkv demo` / `qkv train --task dates` run to "
                         "adapt (default: train one first, into OUT/base)")
     p.add_argument("--steps", type=int_in(1), default=None, metavar="N",
-                   help="clip / flamingo only: training steps (clip: default 1300; flamingo: "
+                   help="clip / flamingo only: training steps (clip: default 800; flamingo: "
                         "its Flamingo steps, default 300; fewer with --quick)")
     p.add_argument("--vision", default=None, metavar="RUN",
                    help="flamingo only: a finished `qkv demo clip` run to use as the image "
