@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["CLIP_MEAN", "CLIP_STD", "normalize", "preprocess_image", "preprocess_images",
-           "resize_shorter_side"]
+           "resize_shorter_side", "to_pixel_values"]
 
 #: OpenAI CLIP's per-channel statistics (RGB), of pixels scaled to [0, 1]
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -129,3 +129,24 @@ def preprocess_images(images: Sequence[Any], size: int = 224, *,
         raise TypeError(f"preprocess_images: images must be a non-empty list of PIL images "
                         f"or (3, H, W) tensors, got {type(images).__name__}")
     return torch.stack([preprocess_image(im, size, mean=mean, std=std) for im in images])
+
+
+def to_pixel_values(images: Tensor) -> Tensor:
+    """Images (B, 3, H, W) in [0, 1] (floating; uint8 is read as k/255) -> the model's
+    ``pixel_values`` (B, 3, H, W) float32: CLIP's per-channel mean/std normalisation.
+
+    Raises:
+        TypeError / ValueError naming ``images``: not a tensor, another dtype, another shape.
+    """
+    if not isinstance(images, Tensor):
+        raise TypeError(f"to_pixel_values: images must be a tensor (B, 3, H, W), got "
+                        f"{type(images).__name__}")
+    if images.dim() != 4 or images.shape[1] != 3:
+        raise ValueError(f"to_pixel_values: images must have shape (B, 3, H, W), got "
+                         f"{tuple(images.shape)}")
+    if images.dtype == torch.uint8:
+        images = images.float() / 255.0
+    elif not images.dtype.is_floating_point:
+        raise TypeError(f"to_pixel_values: images must be floating in [0, 1] or uint8, got "
+                        f"{images.dtype}")
+    return normalize(images.float(), CLIP_MEAN, CLIP_STD)  # (B, 3, H, W)

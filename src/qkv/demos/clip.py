@@ -154,7 +154,7 @@ def zero_shot_class_weights(model: Any, tokenizer: Any, language: str) -> Tensor
 @torch.no_grad()
 def _image_embeds(model: Any, images: Tensor, chunk: int = 250) -> Tensor:
     """(B, E) image embeddings of images (B, 3, H, W) in [0, 1], fp32."""
-    from ..train.kinds.clip import to_pixel_values
+    from ..data.image_preprocess import to_pixel_values
 
     device = next(model.parameters()).device
     return torch.cat([model.encode_image(to_pixel_values(images[i:i + chunk]).to(device))
@@ -289,7 +289,7 @@ def run_clip_demo(*, out: str | None = None, steps: int | None = None, quick: bo
                                    title="zero-shot predictions on held-out combinations")
         one_each = _pick(batch.labels, test.heldout, 1)
         with torch.no_grad():
-            from ..train.kinds.clip import to_pixel_values
+            from ..data.image_preprocess import to_pixel_values
 
             vis = model.vision(to_pixel_values(batch.images[one_each]), output_attentions=True)
         maps = attention_rollout(vis.attentions)  # (b, gh, gw)

@@ -156,7 +156,7 @@ def _write_lm_text(path: Path, rows: int, seed: int) -> int:
 
 def _pixels(images: Tensor) -> Tensor:
     """(B, T, 3, H, W) in [0, 1] -> CLIP's normalised pixel values, same shape."""
-    from ..train.kinds.clip import to_pixel_values
+    from ..data.image_preprocess import to_pixel_values
 
     b, t = images.shape[:2]
     if t == 0:

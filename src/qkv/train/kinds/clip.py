@@ -71,7 +71,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...data.image_preprocess import CLIP_MEAN, CLIP_STD, normalize, preprocess_image
+from ...data.image_preprocess import CLIP_MEAN, CLIP_STD, preprocess_image, to_pixel_values
 from ...models import CLIP, CLIPConfig
 from ..data import epoch_indices
 from .base import ModelKind
@@ -120,27 +120,6 @@ def encode_texts(tokenizer: Any, texts: Sequence[str]) -> tuple[Tensor, Tensor]:
         ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
         mask[i, :len(row)] = True
     return ids, mask
-
-
-def to_pixel_values(images: Tensor) -> Tensor:
-    """Images (B, 3, H, W) in [0, 1] (floating; uint8 is read as k/255) -> the model's
-    ``pixel_values`` (B, 3, H, W) float32: CLIP's per-channel mean/std normalisation.
-
-    Raises:
-        TypeError / ValueError naming ``images``: not a tensor, another dtype, another shape.
-    """
-    if not isinstance(images, Tensor):
-        raise TypeError(f"to_pixel_values: images must be a tensor (B, 3, H, W), got "
-                        f"{type(images).__name__}")
-    if images.dim() != 4 or images.shape[1] != 3:
-        raise ValueError(f"to_pixel_values: images must have shape (B, 3, H, W), got "
-                         f"{tuple(images.shape)}")
-    if images.dtype == torch.uint8:
-        images = images.float() / 255.0
-    elif not images.dtype.is_floating_point:
-        raise TypeError(f"to_pixel_values: images must be floating in [0, 1] or uint8, got "
-                        f"{images.dtype}")
-    return normalize(images.float(), CLIP_MEAN, CLIP_STD)  # (B, 3, H, W)
 
 
 def zero_shot_prompts(language: str = "en") -> list[list[str]]:
