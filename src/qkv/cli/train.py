@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -390,4 +392,29 @@ def _train(args: argparse.Namespace) -> int:
         shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                           for k, v in result.items())
         print(f"qkv train: done ({shown}); checkpoint in {out / 'checkpoint'}")
+    if trainer.group_outlives_run and _is_cli_process():
+        _end_process(0)
     return 0
+
+
+def _is_cli_process() -> bool:
+    """Whether this process is the ``qkv`` command itself (``python -m qkv.cli``, what
+    torchrun runs, or the ``qkv`` script), not a program that called ``qkv.cli.main``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return (spec is not None and spec.name == "qkv.cli.__main__") or (
+        Path(sys.argv[0]).name == "qkv")
+
+
+def _end_process(status: int) -> None:
+    """End the process now with ``status``, after flushing stdout and stderr, skipping the
+    interpreter's shutdown. Only after a successful run whose process group outlived it (a
+    sharded model: torch's DTensor caches keep the group, so ``destroy_process_group``
+    cannot free it and gloo's worker threads keep running). At shutdown such a thread that
+    releases its last collective's tensors asks for the GIL; CPython then ends it with
+    ``pthread_exit``, which unwinds through gloo's noexcept destructor into
+    ``std::terminate`` ("terminate called without an active exception", SIGABRT) although
+    the run finished. Everything of the run is written and closed by then (the checkpoint
+    and metrics are fsynced or flushed, the lock released, every rank met at a barrier)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

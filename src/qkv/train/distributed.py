@@ -9,12 +9,26 @@ Every collective is bounded: the process group's timeout is ``QKV_DIST_TIMEOUT``
 (default 600), so a rank that dies or hangs makes the others fail within it instead of
 waiting forever. ``teardown_world`` meets every rank at a barrier before leaving the group
 (a clean gloo shutdown: exit status 0), except after an error (a peer may be gone).
+
+Leaving a group should also free it: ``destroy_process_group`` only drops torch's own
+references, and gloo's worker threads live as long as the group object. Left running into
+the interpreter's shutdown, a worker that releases its last collective's work (it holds
+Python tensors) asks for the GIL during ``Py_FinalizeEx``; CPython ends such a thread with
+``pthread_exit``, whose unwinding through gloo's noexcept destructor calls
+``std::terminate``: "terminate called without an active exception", SIGABRT, after a run
+that had finished and saved. ``teardown_world(..., release=...)`` lets the caller drop its
+references (a DDP wrapper) after the barrier, so that the group is freed and its threads
+joined there, and says whether that happened. A sharded (FSDP2) model cannot give the group
+back (torch's DTensor caches keep it for the process's life): the ``qkv train`` command then
+ends its process with ``os._exit`` after a successful run (``qkv.cli.train``).
 """
 
 from __future__ import annotations
 
-import contextlib
+import gc
 import os
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -105,16 +119,40 @@ def setup_world(device: torch.device, *, group: bool = False) -> World:
     return World(rank=dist.get_rank(), size=dist.get_world_size())
 
 
-def teardown_world(world: World, *, clean: bool = True) -> None:
+def teardown_world(world: World, *, clean: bool = True,
+                   release: Callable[[], None] | None = None) -> bool:
     """Leave the process group (if one was joined). ``clean``: first wait for every rank at a
     barrier, so that no rank tears gloo's connections down under another (gloo may then
-    abort the process); give ``clean=False`` after an error, when a peer may be gone."""
+    abort the process); give ``clean=False`` after an error, when a peer may be gone.
+
+    ``release``: called after that barrier (only when it succeeded, or in a 1-process
+    group): it drops the caller's references to the group, e.g. a sharded or DDP-wrapped
+    model, so that destroying the group frees it and joins gloo's worker threads now rather
+    than leaving them to the interpreter's exit (see the module docstring). Not called after
+    an error: freeing a group waits for its unfinished collectives, which a lost peer would
+    hold up to the timeout.
+
+    Returns whether the group was freed (False when none was joined, when ``release`` was
+    not called, or when something else still holds the group)."""
     if not (world.size > 1 or world.own_group) or not dist.is_initialized():
-        return
+        return False
+    met = world.size == 1
     if clean and world.size > 1:
-        with contextlib.suppress(Exception):  # a peer left already: nothing to wait for
+        try:
             dist.barrier()
+            met = True
+        except Exception:  # a peer left already: nothing to wait for
+            met = False
+    group = weakref.ref(dist.group.WORLD)
+    if clean and met and release is not None:
+        release()
+    else:
+        release = None
     dist.destroy_process_group()
+    if release is None:
+        return False
+    gc.collect()  # a sharded model's modules and hooks form cycles
+    return group() is None
 
 
 def all_reduce_sum(x: torch.Tensor, world: World) -> torch.Tensor:

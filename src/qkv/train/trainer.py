@@ -25,102 +25,65 @@ run.json against the checkpoint, the data file's fingerprint): a refusal leaves 
 
 The trainer never asks which kind it trains: data, model, batch, loss, evaluation, memory
 estimate and what follows an optimizer step come from the kind object
-(``qkv.train.kinds.get_kind(config.model)``).
+(``qkv.train.kinds.get_kind(config.model)``). Beside this loop: ``qkv.train.step`` (one
+optimizer step: objective, placement over the processes, optimizer, batch rows, precision),
+``qkv.train.claim`` (the run directory claimed on every rank) and ``qkv.train.resume`` (what
+a resume checks: run.json's allowed changes, the data file's fingerprint).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..models.hub import CheckpointError, atomic_write, read_json
-from .checkpoint import (
-    TMP_DIR,
-    load_run,
-    load_trainer_state,
-    save_checkpoint,
-)
+from ..models.hub import CheckpointError, atomic_write
+from .checkpoint import load_run, load_trainer_state, save_checkpoint
+from .claim import RunDirClaim
 from .config import TrainConfig
 from .distributed import (
     TIMEOUT_ENV,
-    all_reduce_sum,
     barrier,
-    broadcast_object,
     resolve_device,
     setup_world,
     teardown_world,
 )
 from .finetune import BASE_JSON, attach_peft, check_base, load_base
-from .kinds import ModelKind, get_kind
+from .kinds import get_kind
 from .memory import check_estimate_fits, scale_estimate
 from .metrics import METRICS, NullLog, truncate_metrics
+from .resume import check_data_unchanged, data_fingerprint, resumed_config
 from .rundir import (
-    RunDirBusyError,
     RunDirLock,
     check_checkpoint_agrees,
     never_saved,
     refuse_existing,
     resume_checkpoint,
 )
-from .schedules import lr_multiplier
 from .sharded_checkpoint import (
     build_checkpoint_model,
     is_sharded_checkpoint,
     load_sharded_checkpoint,
     save_sharded_checkpoint,
 )
-from .sharding import (
-    PRECISIONS,
-    accumulate_gradients,
-    apply_activation_checkpointing,
-    grad_norm_,
-    precision_policy,
-    shard_model,
-    split_batch,
-    unsharded,
+from .sharding import apply_activation_checkpointing, precision_policy, unsharded
+from .step import (
+    Objective,
+    TrainingError,
+    build_optimizer,
+    collective_failure,
+    forward,
+    optimizer_step,
+    place_model,
+    rank_batch,
+    step_lr,
 )
 
 __all__ = ["Trainer", "TrainingError", "build_model"]
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (a non-finite loss or gradient); the message names the step and
-    the last good checkpoint."""
-
-
-#: words of the errors a collective raises when a peer is gone or silent (gloo, nccl)
-_LOST_PEER = ("connection closed", "connection reset", "timed out", "timeout", "gloo", "nccl",
-              "broken pipe", "processgroup")
-
-
-def _collective_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is a collective that failed (torch's DistError, or the RuntimeError
-    gloo raises when a peer closed its connection or the timeout passed)."""
-    if isinstance(exc, dist.DistError):
-        return True
-    text = str(exc).lower()
-    return any(word in text for word in _LOST_PEER)
-
-
-class _Objective(nn.Module):
-    """The model plus its kind's loss, so that DistributedDataParallel sees one forward.
-    ``forward(batch)`` returns the kind's (summed loss, count)."""
-
-    def __init__(self, kind: ModelKind, model: nn.Module, label_smoothing: float) -> None:
-        super().__init__()
-        self.kind, self.model, self.label_smoothing = kind, model, label_smoothing
-
-    def forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        return self.kind.loss(self.model, batch, label_smoothing=self.label_smoothing)
 
 
 class _Vocabulary:
@@ -137,18 +100,6 @@ def build_model(config: TrainConfig, vocab_size: int, max_len: int, pad_id: int)
     from the data, then the user's ``overrides`` (``ModelKind.build_model`` of
     ``config.model``, for a tokenizer of ``vocab_size`` ids with qkv's special ids)."""
     return get_kind(config.model).build_model(config, _Vocabulary(vocab_size, pad_id), max_len)
-
-
-def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not biases, norms or embedding tables)."""
-    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 and id(p) not in tables else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": config.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.adam_eps)
 
 
 class Trainer:
@@ -170,7 +121,11 @@ class Trainer:
             slower there than fp32 (refused otherwise, before anything is written).
 
     Build with ``Trainer(config, out)`` for a new run or ``Trainer.resume(out, steps=M)``.
-    ``run()`` trains up to ``config.steps`` and returns the final evaluation.
+    ``run()`` trains up to ``config.steps`` and returns the final evaluation; it leaves the
+    process group it joined, and sets ``group_outlives_run`` when the group could not be
+    freed (a sharded model: gloo's threads then run on, and a process that exits through the
+    interpreter's shutdown may abort; end it with ``os._exit`` as ``qkv train`` does, see
+    ``qkv.train.distributed``).
 
     Before anything is written, a new run checks everything it can: the settings (in
     ``TrainConfig``), the data, the model config against the tokenizer and the data's lengths,
@@ -198,12 +153,14 @@ class Trainer:
         self.progress, self.log = progress, log
         if lock is not None and (not lock.held or lock.run_dir.resolve() != self.out.resolve()):
             raise ValueError(f"lock must be a held RunDirLock on {self.out}, got {lock!r}")
-        self._lock, self._own_lock = lock, lock is None
         self.device = resolve_device(device)
         # refused before anything else (and before any process group): bf16 on a CPU
         self._policy = precision_policy(config.precision, self.device, force=force_precision)
         self._force_precision = force_precision
+        #: set by run(): a process group whose gloo threads outlive it (see teardown_world)
+        self.group_outlives_run = False
         self.world = setup_world(self.device, group=config.fsdp)
+        self._claim = RunDirClaim(self.out, self.world, lock=lock, log=log)
         try:
             self._setup(config, _resume, _accept_changed_data)
         except BaseException:
@@ -211,74 +168,10 @@ class Trainer:
             teardown_world(self.world, clean=False)
             raise
 
-    # --- the run directory --------------------------------------------------------------------
-    def _take_lock(self) -> None:
-        """Rank 0 takes the run-directory lock; every rank raises if it was refused."""
-        verdict: str | None = None
-        if self.world.is_main and self._lock is None:
-            lock = RunDirLock(self.out)
-            try:
-                lock.acquire()
-            except RunDirBusyError as exc:
-                verdict = str(exc)
-            except OSError as exc:
-                verdict = f"{self.out}: cannot lock the run directory: {exc}"
-            else:
-                self._lock = lock
-        verdict = broadcast_object(verdict, self.world)  # type: ignore[assignment]
-        if verdict is not None:
-            raise RunDirBusyError(verdict)
-
     def close(self) -> None:
         """Release the run-directory lock if this Trainer took it (``run()`` does this when it
         ends); idempotent."""
-        if self._own_lock and self._lock is not None:
-            self._lock.release()
-            self._lock = None
-
-    def _claim_new_dir(self) -> None:
-        """Create (if needed) and lock the directory of a new run; refuse one that holds a run
-        (a run that never saved a checkpoint is started over). Every rank raises together."""
-        verdict: str | None = None
-        self._made_dir = False
-        if self.world.is_main and not self.out.is_dir():
-            try:
-                self.out.mkdir(parents=True)
-                self._made_dir = True
-            except FileExistsError:  # another process made it just now: fine
-                pass
-            except OSError as exc:
-                verdict = f"{self.out}: cannot create the run directory: {exc}"
-        verdict = broadcast_object(verdict, self.world)  # type: ignore[assignment]
-        if verdict is not None:
-            raise OSError(verdict)
-        self._take_lock()
-        verdict = None
-        if self.world.is_main and (self.out / "run.json").exists():
-            if never_saved(self.out):
-                self.log(f"note: {self.out} holds a run that stopped before its first "
-                         f"checkpoint; starting it over")
-                shutil.rmtree(self.out / TMP_DIR, ignore_errors=True)
-            else:
-                try:
-                    refuse_existing(self.out)
-                except ValueError as exc:
-                    verdict = str(exc)
-        verdict = broadcast_object(verdict, self.world)  # type: ignore[assignment]
-        if verdict is not None:
-            raise ValueError(verdict)
-
-    def _undo_new_dir(self) -> None:
-        """After a failure while a new run wrote its first files: remove what it wrote (and
-        the directory if it made it), never anything that was there before."""
-        if not self.world.is_main:
-            return
-        for name in self._written:
-            (self.out / name).unlink(missing_ok=True)
-        self.close()
-        if self._made_dir:
-            with contextlib.suppress(OSError):
-                self.out.rmdir()  # only when empty
+        self._claim.release()
 
     # --- setting up ---------------------------------------------------------------------------
     def _setup(self, config: TrainConfig, _resume: bool, accept_changed_data: bool) -> None:
@@ -292,12 +185,13 @@ class Trainer:
         self.step = 0
         self.base: dict[str, str] | None = None  # base.json of a run that trains an adapter
         self.last_saved: int | None = None
-        self._written: list[str] = []
         if _resume:
-            self._take_lock()  # before reading: no other writer may change what we check
+            self._claim.take_lock()  # before reading: no other writer may change what we check
             ckpt = resume_checkpoint(self.out, config.eval_every)
             check_checkpoint_agrees(self.out, ckpt, config)
-            config = self.config = self._check_data(config, accept_changed_data)
+            config = self.config = check_data_unchanged(
+                config, self.out, self.kind, accept_changed=accept_changed_data,
+                note=self.log if self.world.is_main else (lambda line: None))
             sharded = is_sharded_checkpoint(ckpt)
             if sharded != config.fsdp:
                 raise CheckpointError(
@@ -321,7 +215,7 @@ class Trainer:
                 data = Path(config.data).resolve()
                 config = self.config = TrainConfig.from_dict({
                     **config.to_dict(), "data": str(data),
-                    "data_fingerprint": self._fingerprint(data)})
+                    "data_fingerprint": data_fingerprint(self.kind, data)})
             torch.manual_seed(config.seed)
             if config.init_from is not None:
                 config = self._start_from_base(config)
@@ -330,17 +224,10 @@ class Trainer:
         self.model.to(self.device).train()
         if config.activation_checkpointing:
             apply_activation_checkpointing(self.model)
-        self.objective: nn.Module = _Objective(self.kind, self.model, config.label_smoothing)
-        if config.fsdp:  # each rank keeps 1/world of parameters, gradients, optimizer state
-            shard_model(self.model, mp_policy=self._policy)
-            self._sync: nn.Module = self.model
-        else:
-            if self.world.size > 1:
-                ids = [self.device.index] if self.device.type == "cuda" else None
-                self.objective = nn.parallel.DistributedDataParallel(self.objective,
-                                                                     device_ids=ids)
-            self._sync = self.objective
-        self.optimizer = _optimizer(self.model, config)  # after sharding: on the shards
+        self.objective, self._sync = place_model(
+            Objective(self.kind, self.model, config.label_smoothing), config=config,
+            world=self.world, device=self.device, policy=self._policy)
+        self.optimizer = build_optimizer(self.model, config)  # after sharding: on the shards
         if _resume:
             state = (load_sharded_checkpoint(ckpt, model=self.model, optimizer=self.optimizer)
                      if config.fsdp else load_trainer_state(ckpt, self.optimizer))
@@ -353,14 +240,14 @@ class Trainer:
                 truncate_metrics(self.out / METRICS, self.step)
                 self._write_run_json(config)
         else:
-            self._claim_new_dir()
+            self._claim.claim_new()
             try:
                 if self.world.is_main:
                     self._write_run_json(config)
                     (self.out / METRICS).write_text("")
-                    self._written.append(METRICS)
+                    self._claim.written.append(METRICS)
             except BaseException:
-                self._undo_new_dir()
+                self._claim.undo_new()
                 raise
         barrier(self.world)
 
@@ -409,42 +296,7 @@ class Trainer:
         """run.json: the settings --resume continues (with the new total steps)."""
         text = json.dumps(config.to_dict(), indent=2, sort_keys=True)
         atomic_write(self.out / "run.json", lambda tmp: Path(tmp).write_text(text))
-        self._written.append("run.json")
-
-    def _check_data(self, config: TrainConfig, accept_changed: bool) -> TrainConfig:
-        """The data file of a resumed run must be the one the run began with (size and
-        SHA-256 in run.json); returns the config with the fingerprint to record."""
-        if config.data is None:
-            return config
-        path = Path(config.data)
-        if not path.exists():
-            raise CheckpointError(f"{self.out}: the run's data file {path} is missing; a "
-                                  f"resume trains on the file the run began with")
-        now = self._fingerprint(path)
-        before = config.data_fingerprint
-        note = self.log if self.world.is_main else (lambda line: None)
-        if before is None:
-            note(f"note: {self.out / 'run.json'} holds no fingerprint of {path} (a run "
-                     f"from an older qkv): cannot check that the file is unchanged since the "
-                     f"run began; recording it now")
-        elif now != before:
-            change = (f"size {before['size']} -> {now['size']} bytes, sha256 "
-                      f"{before['sha256'][:12]}... -> {now['sha256'][:12]}...")
-            if not accept_changed:
-                raise CheckpointError(
-                    f"--data {path} changed since the run in {self.out} began ({change}): "
-                    f"resuming on other data is not the same run (and may fail); restore the "
-                    f"file, or pass --accept-changed-data to continue on it anyway")
-            note(f"note: continuing {self.out} on the changed {path} ({change}), as "
-                     f"--accept-changed-data asks; the run is no longer reproducible")
-        return TrainConfig.from_dict({**config.to_dict(), "data_fingerprint": now})
-
-    def _fingerprint(self, path: Path) -> dict[str, Any]:
-        """The data's fingerprint as the kind takes it (a file's bytes, a folder's)."""
-        try:
-            return self.kind.data_fingerprint(path)
-        except OSError as exc:
-            raise CheckpointError(f"--data {path}: cannot read it: {exc}") from exc
+        self._claim.written.append("run.json")
 
     @classmethod
     def resume(cls, out_dir: str | Path, *, steps: int | None = None, progress: bool = True,
@@ -465,88 +317,40 @@ class Trainer:
         differ from the run's, or the data file changed since the run began (unless
         ``accept_changed_data``; run.json then records the new file's fingerprint)."""
         out_dir = Path(out_dir)
-        if not out_dir.is_dir():
-            raise CheckpointError(f"{out_dir}: cannot resume: no such run directory")
-        try:
-            data = read_json(out_dir / "run.json")
-        except (OSError, ValueError, CheckpointError) as exc:
-            raise CheckpointError(f"{out_dir}: cannot resume: {exc}") from exc
-        try:
-            config = TrainConfig.from_dict(data)
-        except ValueError as exc:
-            raise CheckpointError(f"{out_dir / 'run.json'}: cannot resume: {exc}") from exc
-        for name, value in (("fsdp", fsdp), ("precision", precision)):
-            if value is not None and value != getattr(config, name):
-                raise ValueError(f"{name} {value!r}: {out_dir} was trained with {name}="
-                                 f"{getattr(config, name)!r}, which is fixed for a run "
-                                 f"(resume continues it; start a new run to change it)")
-        changes: dict[str, Any] = {}
-        if steps is not None and steps != config.steps:
-            changes["steps"] = steps
-        if grad_accum is not None:
-            changes["grad_accum"] = grad_accum
-        if activation_checkpointing is not None:
-            changes["activation_checkpointing"] = activation_checkpointing
-        if changes:
-            config = TrainConfig.from_dict({**config.to_dict(), **changes})
-            if "steps" in changes and config.schedule == "cosine":
-                log(f"note: the cosine schedule is re-stretched from {data['steps']} to "
-                    f"{steps} total steps; later learning rates differ from those of a run "
-                    f"started with --steps {steps}")
+        config = resumed_config(out_dir, steps=steps, grad_accum=grad_accum,
+                                activation_checkpointing=activation_checkpointing, fsdp=fsdp,
+                                precision=precision, log=log)
         return cls(config, out_dir, progress=progress, log=log, device=device, lock=lock,
                    force_precision=force_precision, _resume=True,
                    _accept_changed_data=accept_changed_data)
 
     # --- one step -----------------------------------------------------------------------------
     def _batch(self, step: int) -> dict[str, Tensor]:
-        """The batch of optimizer step ``step`` (0-based) for this rank: its rows of the global
-        batch, built whole on every rank (same padding width, same MLM corruption), so that N
-        processes compute exactly the sums one process would."""
-        c, w = self.config, self.world
-        batch = self.kind.make_batch(self.data.train(step * c.batch_size, c.batch_size),
-                                     self.tokenizer, step=step, seed=c.seed)
-        per_rank = c.batch_size // w.size
-        rows = slice(w.rank * per_rank, (w.rank + 1) * per_rank)
-        return {k: t[rows].to(self.device) for k, t in batch.items()}
-
-    def _lr(self, step: int) -> float:
-        c = self.config
-        return c.lr * lr_multiplier(step, schedule=c.schedule, warmup=c.warmup, total=c.steps,
-                                    min_ratio=c.min_lr_ratio)
+        """This rank's rows of the global batch of optimizer step ``step`` (0-based)."""
+        return rank_batch(self.kind, self.data, self.tokenizer, config=self.config,
+                          world=self.world, step=step, device=self.device)
 
     def train_step(self) -> dict[str, float]:
-        """One optimizer step; returns its metrics (loss, lr, grad_norm, tokens)."""
+        """One optimizer step (``qkv.train.step.optimizer_step``); returns its metrics (loss,
+        lr, grad_norm, tokens)."""
         batch = self._batch(self.step)
-        lr = self._lr(self.step + 1)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        # K micro-batches, the gradient sync (DDP / FSDP) in the last backward only; every
-        # micro-batch's loss divided by the step's global count (DDP/FSDP average over ranks)
-        loss_sum, total = accumulate_gradients(
-            self._forward, split_batch(batch, self.config.grad_accum), model=self._sync,
-            world_size=self.world.size, count=self.kind.loss_count)
-        loss = (all_reduce_sum(loss_sum, self.world) / total).item()
+        lr = step_lr(self.config, self.step + 1)
+
+        def stop(what: str) -> None:  # the step counts from when its loss is known
+            self.step += 1
+            self._stop(what)
+
+        loss, norm = optimizer_step(
+            batch, lr=lr, forward=self._forward, sync=self._sync, model=self.model,
+            optimizer=self.optimizer, config=self.config, world=self.world, kind=self.kind,
+            stop=stop)
         self.step += 1
-        if not math.isfinite(loss):
-            self._stop(f"loss is {loss}")
-        norm = grad_norm_(self.model.parameters(), self.config.clip_norm)  # all shards
-        if not math.isfinite(norm):
-            self._stop(f"the gradient norm is {norm}")
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         self.kind.after_optimizer_step(self.model)
         tokens = self.kind.batch_tokens(batch, self.tokenizer)
         return {"loss": loss, "lr": lr, "grad_norm": norm, "tokens": tokens * self.world.size}
 
     def _forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        """The objective on one micro-batch, under ``torch.autocast`` for bf16 without FSDP
-        (FSDP2's policy casts the gathered parameters itself)."""
-        c = self.config
-        if c.fsdp or c.precision == "fp32":
-            return self.objective(batch)
-        # the precision was checked (and any warning given) when the run was set up
-        with torch.autocast(self.device.type, dtype=PRECISIONS[c.precision]):
-            return self.objective(batch)
+        return forward(self.objective, batch, config=self.config, device=self.device)
 
     def _stop(self, what: str) -> None:
         where = (f"the last good checkpoint is {self.out / 'checkpoint'} (step "
@@ -585,7 +389,7 @@ class Trainer:
                         result = self._evaluate_and_save(metrics)
             clean = True
         except RuntimeError as exc:
-            if not (self.world.size > 1 and _collective_failure(exc)):
+            if not (self.world.size > 1 and collective_failure(exc)):
                 raise
             raise TrainingError(
                 f"step {self.step}: rank {self.world.rank} lost the other processes (one "
@@ -596,8 +400,16 @@ class Trainer:
             if bar is not None:
                 bar.close()
             self.close()
-            teardown_world(self.world, clean=clean)
+            freed = teardown_world(self.world, clean=clean, release=self._release_group)
+            self.group_outlives_run = (self.world.size > 1 or self.world.own_group) and not freed
         return result
+
+    def _release_group(self) -> None:
+        """Drop the DDP wrapper (the plain model stays), which holds the process group, so
+        that leaving the group frees it (``qkv.train.distributed.teardown_world``). A sharded
+        model is kept: torch's DTensor caches hold the group for the process's life anyway."""
+        if isinstance(self.objective, nn.parallel.DistributedDataParallel):
+            self.objective = self._sync = self.objective.module
 
     def _evaluate_and_save(self, metrics: Any) -> dict[str, Any]:
         if self.config.fsdp:
