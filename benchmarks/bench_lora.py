@@ -16,8 +16,10 @@ Shapes: B batch, T sequence length, C width, L layers, H heads, V vocab, r rank.
    3 x repeats rounds.
 
 Usage: python -m benchmarks.bench_lora [--quick] [--batch 8 --seq 256 --dim 384 --layers 6
-       --heads 6 --vocab 8192 --rank 8 --repeats 5 --warmup 1 --threads 1]
-(``--quick``: tiny sizes and one timed run, so the test suite can run it.)
+       --heads 6 --vocab 8192 --rank 8 --repeats 5 --warmup 1 --threads 1 --clock wall|cpu]
+(``--quick``: tiny sizes and one timed run, so the test suite can run it. ``--clock cpu``:
+this process's CPU time (``time.process_time``) instead of wall time — on a machine shared
+with other work, a 1-thread process's CPU time counts its own work only.)
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import shlex
+import statistics
 import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -123,6 +128,27 @@ def measure(case: str, args) -> dict:
             "trainable": count_parameters(model)[0]}
 
 
+def side_by_side_cpu(fns: dict[str, Callable[[], object]], warmup: int, repeats: int
+                     ) -> dict[str, float]:
+    """``side_by_side`` (alternating, the order flipped every round, medians) timed with
+    this process's CPU time (``time.process_time``, all its threads together)."""
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            t0 = time.process_time()
+            fns[name]()
+            times[name].append(time.process_time() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _load() -> str:
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def size_args(args) -> list[str]:
     return [f"--{k}={getattr(args, k)}" for k in ("batch", "seq", "dim", "layers", "heads",
                                                   "vocab", "rank", "threads")]
@@ -141,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time.perf_counter (wall) or time.process_time (this process's CPU)")
     p.add_argument("--measure", choices=CASES, help=argparse.SUPPRESS)  # subprocess case
     args = p.parse_args(argv)
     if args.quick:
@@ -155,7 +183,9 @@ def main(argv: list[str] | None = None) -> None:
           + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 CPU; "
           f"B={args.batch} T={args.seq} C={args.dim} L={args.layers} H={args.heads} "
-          f"V={args.vocab}, r={args.rank}, alpha={2 * args.rank}")
+          f"V={args.vocab}, r={args.rank}, alpha={2 * args.rank}; {args.clock} clock; "
+          f"load average {_load()} (1, 5, 15 min; {os.cpu_count()} cores)")
+    timer = side_by_side if args.clock == "wall" else side_by_side_cpu
 
     # 1. training step, side by side
     torch.manual_seed(1)
@@ -167,12 +197,13 @@ def main(argv: list[str] | None = None) -> None:
         counts[case] = count_parameters(model)
     first = {name: fn() for name, fn in fns.items()}  # B = 0: every LoRA starts at the base
     print("first-step losses: " + ", ".join(f"{k} {v:.6f}" for k, v in first.items()))
-    times = side_by_side(fns, args.warmup, args.repeats)
+    times = timer(fns, args.warmup, args.repeats)
     ref = times["hf-peft-lora"]
     tokens = args.batch * args.seq
     rows = [[name, f"{counts[name][0]:,}", f"{t * 1e3:.0f}", f"{tokens / t:.0f}",
              f"{ref / t:.2f}x"] for name, t in times.items()]
-    print_table(f"LoRA training step (fwd+bwd+AdamW), median of {args.repeats}",
+    print_table(f"LoRA training step (fwd+bwd+AdamW), median of {args.repeats}, "
+                f"{args.clock} time",
                 ["contender", "trainable params", "ms/step", "tokens/s", "speed vs HF PEFT"],
                 rows)
 
@@ -210,13 +241,14 @@ def main(argv: list[str] | None = None) -> None:
         return run
 
     repeats = 3 * args.repeats  # a forward is cheap: more rounds against the noise
-    inf = side_by_side({"base": forward(base), "LoRA merged": forward(merged),
-                        "LoRA unmerged": forward(unmerged)}, args.warmup, repeats)
+    inf = timer({"base": forward(base), "LoRA merged": forward(merged),
+                 "LoRA unmerged": forward(unmerged)}, args.warmup, repeats)
     rows = [[name, f"{t * 1e3:.1f}", f"{t / inf['base']:.3f}",
              f"{100 * (t / inf['base'] - 1):+.1f}%"] for name, t in inf.items()]
     print_table(f"Inference forward (eval, no grad), B={args.batch} T={args.seq}, median of "
-                f"{repeats}",
+                f"{repeats}, {args.clock} time",
                 ["model", "ms/forward", "time vs base", "overhead"], rows)
+    print(f"\nload average at the end {_load()}")
 
 
 if __name__ == "__main__":

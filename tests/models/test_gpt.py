@@ -9,6 +9,7 @@ atol 1e-5, rtol 1e-5. Save/load: exact (torch.equal).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import warnings
@@ -398,6 +399,48 @@ def test_loss_equals_cross_entropy_of_logits():
     _close(loss, ref, what="loss")
     for g, r in zip(grads, ref_grads, strict=True):
         _close(g, r, atol=1e-6, rtol=1e-4, what="grad")
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_lm_head_and_loss_on_the_onednn_path_against_fp64(monkeypatch, tie):
+    """The LM head (forward) and the fused linear cross-entropy (its chunked GEMMs) through
+    qkv.ops.fast_linear with oneDNN forced on these small shapes: logits, loss and every
+    parameter's gradient (full fine-tuning: the head's weight gradient too) against an fp64
+    copy of the model with the full logits and F.cross_entropy.
+    Tolerances: logits and loss atol 5e-5 rtol 5e-6 (DESIGN.md); gradients atol 1e-6
+    rtol 1e-4 (fp32 sums over B·N rows)."""
+    import qkv.ops.fast_linear as fl
+
+    if not fl.onednn_linear_active():
+        pytest.skip("no working oneDNN linear in this torch build")
+    monkeypatch.setattr(fl, "MIN_ROWS", 1)
+    monkeypatch.setattr(fl, "MIN_MACS", 1)
+    shapes = []
+    op = fl._op()
+
+    def counting_op(x, w, *rest):
+        shapes.append(tuple(w.shape))
+        return op(x, w, *rest)
+
+    monkeypatch.setitem(fl._checked, "op", counting_op)
+    model = _tiny(tie_embeddings=tie).train()
+    ref = copy.deepcopy(model).double()
+    ids = torch.randint(0, VOCAB, (3, 15))
+    targets = ids.roll(-1, dims=1)
+    targets[:, -1] = -100
+    targets[2, 5] = -100
+    with torch.no_grad():
+        _close(model(ids).double(), ref(ids), atol=5e-5, rtol=5e-6, what="logits")
+    assert (VOCAB, model.config.dim) in shapes  # the head's forward went through oneDNN
+    shapes.clear()
+    loss = model.loss(ids, targets, chunk=7)  # chunk not dividing B·N
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    assert (VOCAB, model.config.dim) in shapes and (model.config.dim, VOCAB) in shapes
+    want = F.cross_entropy(ref(ids).flatten(0, 1), targets.flatten())
+    want_grads = torch.autograd.grad(want, list(ref.parameters()))
+    _close(loss.double(), want, atol=5e-5, rtol=5e-6, what="loss")
+    for (name, _), g, w in zip(model.named_parameters(), grads, want_grads, strict=True):
+        _close(g.double(), w, atol=1e-6, rtol=1e-4, what=name)
 
 
 def test_tiny_model_overfits_tiny_batch():

@@ -38,6 +38,7 @@ from ..modules.layers import EncoderLayer
 from ..modules.linear_attention import LinearAttention
 from ..modules.norms import LayerNorm, RMSNorm, make_norm
 from ..modules.positions import Learned, RoPE, positions_from_mask
+from ..ops.fast_linear import fast_linear
 from ..ops.masks import Mask, Padding
 from ..ops.sparse_masks import SlidingWindow
 from .hub import ModelConfig, PretrainedMixin, load_tokenizer
@@ -203,7 +204,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of ``h @ weightᵀ`` against ``targets``, computed over row chunks:
     each (chunk, V) block of logits lives only inside the loop (its softmax is turned into the
     gradient in place), so the (M, V) logits are never materialised nor copied. Gradients are
-    computed in the forward pass (the loss is a scalar) and scaled in the backward."""
+    computed in the forward pass (the loss is a scalar) and scaled in the backward.
+
+    The logits and the input gradient of each chunk go through ``qkv.ops.fast_linear``
+    (oneDNN's matmul where it pays: ~10 % faster here at (256..1024, 384) x (384, 8192));
+    the weight gradient (only when the head trains) is ``addmm_``."""
 
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, ignore_index: int,
@@ -217,7 +222,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         safe = targets.masked_fill(~valid, 0)
         for i in range(0, h.shape[0], chunk):
             hc, tc, vc = h[i:i + chunk], safe[i:i + chunk], valid[i:i + chunk]
-            logits = hc @ weight.t()  # (m, V)
+            logits = fast_linear(hc, weight)  # (m, V); grad mode is off in here
             top = logits.amax(dim=-1, keepdim=True)  # (m, 1)
             picked = logits.gather(1, tc[:, None])  # (m, 1)
             p = logits.sub_(top).exp_()  # unnormalised softmax, in place (m, V)
@@ -229,7 +234,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 p.mul_((vc.to(p.dtype) / count)[:, None] / denom)
                 p.scatter_add_(1, tc[:, None], -(vc.to(p.dtype) / count)[:, None])
                 if need_h:
-                    torch.mm(p, weight, out=grad_h[i:i + chunk])  # (m, C)
+                    grad_h[i:i + chunk] = fast_linear(p, weight.t())  # (m, C) = p @ weight
                 if need_w:
                     grad_w.addmm_(p.t(), hc)  # (V, C)
         ctx.save_for_backward(grad_h if need_h else None, grad_w if need_w else None)
@@ -482,7 +487,12 @@ class GPT(PretrainedMixin, nn.Module):
         h, attentions = self.hidden_states(input_ids, attention_mask=attention_mask,
                                            position_ids=position_ids, cache=cache,
                                            output_attentions=output_attentions)
-        logits = self.lm_head(h)  # (B, N, V)
+        head = self.lm_head
+        if (type(head) is nn.Linear and not (head._forward_hooks or head._forward_pre_hooks)
+                and not torch.jit.is_tracing() and not torch.compiler.is_compiling()):
+            logits = fast_linear(h, head.weight, head.bias)  # (B, N, V), oneDNN where it pays
+        else:  # a wrapped / quantized / hooked head is called as a module
+            logits = head(h)  # (B, N, V)
         return GPTOutput(logits, tuple(attentions)) if output_attentions else logits
 
     def loss(self, input_ids: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None,
