@@ -1,5 +1,6 @@
-"""LoRA training on the fast path: ``qkv.peft.lora._LoraLinearFn`` (base GEMM and input
-gradient through ``qkv.ops.fast_linear``, per-segment updates in place) and GPT's LM head /
+"""LoRA training on the fast path: ``qkv.peft.lora_function.LoraLinearFunction`` (base GEMM
+and input gradient through ``qkv.ops.fast_linear``, per-segment updates in place) and GPT's
+LM head /
 fused cross-entropy through ``fast_linear``, with oneDNN forced on these small shapes
 (``MIN_ROWS`` / ``MIN_MACS`` = 1). The loss and every LoRA gradient are compared with
 
@@ -10,7 +11,7 @@ fused cross-entropy through ``fast_linear``, with oneDNN forced on these small s
 - HF PEFT's LoRA on GPT-2's ``c_attn`` (``init_lora_weights=False``: B != 0), loss and
   the gradients of its ``lora_A`` / ``lora_B``.
 
-Plus gradcheck (fp64) of ``_LoraLinearFn`` itself with every input differentiable (x, a
+Plus gradcheck (fp64) of ``LoraLinearFunction`` itself with every input differentiable (x, a
 separate dropout input, a trainable base weight and bias, partial row spans).
 
 Shapes: B batch, N length, V vocab, C width, M rows, In / Out features, r rank.
@@ -42,7 +43,7 @@ GRAD_TOL = {"atol": 5e-7, "rtol": 1e-5}
 @pytest.fixture
 def small_on_onednn(monkeypatch):
     """Small shapes take the oneDNN path; returns a dict counting oneDNN matmuls and
-    ``_LoraLinearFn`` calls (so a test can tell the fast path really ran)."""
+    ``LoraLinearFunction`` calls (so a test can tell the fast path really ran)."""
     if not fl.onednn_linear_active():
         pytest.skip("no working oneDNN linear in this torch build")
     monkeypatch.setattr(fl, "MIN_ROWS", 1)
@@ -55,13 +56,13 @@ def small_on_onednn(monkeypatch):
         return op(*args)
 
     monkeypatch.setitem(fl._checked, "op", counting_op)
-    apply = lora_mod._LoraLinearFn.apply
+    apply = lora_mod.LoraLinearFunction.apply
 
     def counting_apply(*args):
         calls["lora_fn"] += 1
         return apply(*args)
 
-    monkeypatch.setattr(lora_mod._LoraLinearFn, "apply", counting_apply)
+    monkeypatch.setattr(lora_mod.LoraLinearFunction, "apply", counting_apply)
     return calls
 
 
@@ -228,7 +229,7 @@ def test_gradcheck_lora_linear_fn(spans, separate_dropout_input):
     ab = [p for lo, hi in spans for p in (t(2, 5), t(hi - lo, 2))]
 
     def fn(x, xd, w, b, *ab):
-        return lora_mod._LoraLinearFn.apply(x, xd, w, b, 1.5, spans, *ab)
+        return lora_mod.LoraLinearFunction.apply(x, xd, w, b, 1.5, spans, *ab)
 
     assert torch.autograd.gradcheck(fn, (x, xd, w, b, *ab))
     # the oracle: the same sum written out (the update only on its own columns)

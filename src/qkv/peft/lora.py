@@ -23,7 +23,7 @@ from rows [0, H·D) and keys/values from the rest) calls ``project_rows(x, start
 ``LoraLinear`` implements with the update restricted to those rows
 (``qkv.modules.attention.project_rows``).
 
-Speed: a ``LoraLinear`` with one engaged adapter is one autograd Function (``_LoraLinearFn``):
+Speed: a ``LoraLinear`` with one engaged adapter is one autograd Function (``LoraLinearFunction``):
 the base GEMM through ``qkv.ops.fast_linear`` (oneDNN where that pays), each segment's rank-r
 update added in place into its own columns of the output (no block-diagonal zeros, no copy
 of the (M, Out) output), and a backward that computes the base input gradient through
@@ -44,13 +44,13 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 from ..modules.attention import MultiHeadAttention
 from ..modules.feedforward import FeedForward, SwiGLU
 from ..modules.linear_attention import LinearAttention
-from ..ops.fast_linear import fast_linear, onednn_linear_active
+from ..ops.fast_linear import fast_linear
 from .config import LoraConfig
+from .lora_function import LoraLinearFunction, fusable
 
 __all__ = ["LoraLinear", "LoraState", "LoraUpdate", "active_adapter", "adapter_names",
            "adapter_rows", "add_lora", "disable_adapters", "merge", "set_adapter", "unload",
@@ -58,74 +58,6 @@ __all__ = ["LoraLinear", "LoraState", "LoraUpdate", "active_adapter", "adapter_n
 
 BASE = "base"  # the row name of ``adapter_rows`` for "no adapter"
 _NAME = re.compile(r"[A-Za-z0-9_\-]+")
-_PLAIN = (Tensor, nn.Parameter)
-
-
-class _LoraLinearFn(torch.autograd.Function):
-    """y = x Wᵀ + b + scale · (xd A_jᵀ) B_jᵀ on each segment's columns [lo_j, hi_j) of y.
-
-    forward(x (M, In), xd (M, In) or None (= x: no dropout), weight (Out, In), bias (Out,) or
-    None, scale, spans ((lo_j, hi_j), ...), A_1 (r, In), B_1 (hi_1 - lo_1, r), A_2, B_2, ...)
-    -> y (M, Out). The base GEMM and its input gradient go through ``fast_linear`` (oneDNN
-    where it pays); the S segments share one x A_catᵀ (M, S·r) product; each update is added
-    in place into its columns. Once differentiable.
-    """
-
-    @staticmethod
-    def forward(ctx, x: Tensor, xd: Tensor | None, weight: Tensor, bias: Tensor | None,
-                scale: float, spans: tuple[tuple[int, int], ...], *ab: Tensor) -> Tensor:
-        a_parts, b_parts = ab[0::2], ab[1::2]
-        r = a_parts[0].shape[0]
-        a = a_parts[0] if len(a_parts) == 1 else torch.cat(a_parts)  # (S·r, In)
-        src = x if xd is None else xd
-        y = fast_linear(x, weight, bias)  # (M, Out); grad mode is off in here
-        h = src.mm(a.t())  # (M, S·r)
-        for j, ((lo, hi), b) in enumerate(zip(spans, b_parts, strict=True)):
-            y[:, lo:hi].addmm_(h[:, j * r:(j + 1) * r], b.t(), alpha=scale)  # (M, hi - lo)
-        ctx.scale, ctx.spans, ctx.r, ctx.has_bias = scale, spans, r, bias is not None
-        ctx.save_for_backward(x, xd, weight, a, h, *b_parts)
-        return y
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, g: Tensor):  # g (M, Out)
-        x, xd, weight, a, h, *b_parts = ctx.saved_tensors
-        need = ctx.needs_input_grad  # x, xd, weight, bias, scale, spans, A_1, B_1, ...
-        scale, spans, r = ctx.scale, ctx.spans, ctx.r
-        src = x if xd is None else xd
-        # The thin products are laid out with the rank as the row count (r x M times
-        # M x Rows): MKL runs them ~4x as fast as with the rank as the column count.
-        gh_t = torch.cat([b.t().mm(g[:, lo:hi].t())
-                          for (lo, hi), b in zip(spans, b_parts, strict=True)]
-                         ).mul_(scale)  # (S·r, M) = (d loss / d h)ᵀ
-        grad_x = grad_xd = grad_w = grad_bias = None
-        if need[0]:
-            grad_x = fast_linear(g, weight.t())  # (M, In) = g W
-            if xd is None:
-                grad_x.addmm_(gh_t.t(), a)  # + the update's part, in place
-        if xd is not None and need[1]:
-            grad_xd = gh_t.t().mm(a)  # (M, In)
-        if need[2]:
-            grad_w = g.t().mm(x)  # (Out, In): only when the base weight trains
-        if ctx.has_bias and need[3]:
-            grad_bias = g.sum(0)  # (Out,)
-        grads_a = gh_t.mm(src).split(r)  # (r, In) each
-        grads_ab: list[Tensor | None] = []
-        for j, ((lo, hi), _) in enumerate(zip(spans, b_parts, strict=True)):
-            grads_ab.append(grads_a[j] if need[6 + 2 * j] else None)
-            grads_ab.append(h[:, j * r:(j + 1) * r].t().mm(g[:, lo:hi]).mul_(scale).t()
-                            if need[7 + 2 * j] else None)  # (hi - lo, r)
-        return grad_x, grad_xd, grad_w, grad_bias, None, None, *grads_ab
-
-
-def _fusable(*tensors: Tensor | None) -> bool:
-    """True when ``_LoraLinearFn`` may stand in for the composed ops: plain tensors, no
-    autocast or functorch transform, ``onednn_linear`` not switched off."""
-    x = tensors[0]
-    return (all(t is None or type(t) in _PLAIN for t in tensors) and x.dim() >= 1
-            and not torch.is_autocast_enabled(x.device.type)
-            and not torch._C._are_functorch_transforms_active()
-            and onednn_linear_active())
 
 
 class LoraUpdate(nn.Module):
@@ -210,10 +142,10 @@ class LoraUpdate(nn.Module):
         stop)``, with ``weight`` (stop - start, In) and ``bias`` (stop - start,) or None the
         base layer's rows [start, stop). x (..., In) -> (..., stop - start).
 
-        One ``_LoraLinearFn`` where ``_fusable``; otherwise the composed ops."""
+        One ``LoraLinearFunction`` where ``fusable``; otherwise the composed ops."""
         segs = [s for s in self.segments if s[1] < stop and s[2] > start]
         params = [getattr(self, f"{k}_{role}") for role, _, _ in segs for k in "AB"]
-        if not segs or not _fusable(x, weight, bias, *params):
+        if not segs or not fusable(x, weight, bias, *params):
             return self.add_to(fast_linear(x, weight, bias), x, start, stop, training)
         spans, ab = [], []
         for role, lo, hi in segs:
@@ -225,7 +157,7 @@ class LoraUpdate(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])  # (M, In)
         xd = (F.dropout(x2, self.dropout, training=True) if self.dropout and training
               else None)
-        y = _LoraLinearFn.apply(x2, xd, weight, bias, self.scale, tuple(spans), *ab)
+        y = LoraLinearFunction.apply(x2, xd, weight, bias, self.scale, tuple(spans), *ab)
         return y.view(*x.shape[:-1], stop - start)  # (..., stop - start)
 
     def delta_weight(self, out_features: int) -> Tensor:
@@ -303,7 +235,7 @@ class LoraLinear(nn.Module):
     base layer's own Parameters (same state-dict keys), ``lora`` its ``LoraState``.
 
     forward: x (..., In) -> (..., Out) = F.linear(x, weight, bias) + the engaged update (one
-    ``_LoraLinearFn`` where it may; see the module docstring).
+    ``LoraLinearFunction`` where it may; see the module docstring).
     """
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None,
