@@ -13,16 +13,19 @@ What qkv computes: ``encode_image`` / ``encode_text`` (and so ``loss``) read onl
 rows, so they skip what nobody reads — the last layer's query projection, attention, output
 projection and FFN run at the class / end-of-text token only (every token still a key/value),
 and the causal text tower runs on the real tokens up to each text's end-of-text token (the
-padding is never computed; HF computes it and masks it). Without gradients the layers reuse
-buffers and run quick_gelu in place; with gradients quick_gelu is one autograd Function
-saving only its input. Same math: the logits are compared before timing.
+padding is never computed; HF computes it and masks it). Every plain ``nn.Linear`` goes
+through ``qkv.ops.fast_linear`` (oneDNN's matmul on CPU fp32, bias fused; its input gradient
+too) via ``qkv.modules.linear_call.apply_linear``. Without gradients quick_gelu is folded
+into the MLP's projections (silu(1.702·z) / 1.702: one in-place SiLU pass); with gradients
+it is one autograd Function saving only its input. Same math: the logits are compared
+before timing. ``--no-onednn`` runs qkv with ``onednn_linear(False)`` (F.linear).
 
 Default sizes: ViT-S-like towers (C=384, L=12, 6 heads, MLP 1536) at 64 px with 8-px patches
 (T = 65), text N = 32 right-padded to lengths in [8, 32], B = 32 (``CLIPConfig``
 "clip-s-64"). The qkv model is loaded from the HF model's saved directory by ``from_hf``.
 
 Usage: python -m benchmarks.bench_clip [--quick] [--batch 32 --text-len 32 --repeats 5
-       --warmup 1 --threads 1 --clock wall|cpu]
+       --warmup 1 --threads 1 --clock wall|cpu --no-onednn]
 (``--quick``: tiny towers and one timed round, so the test suite can run it.
 ``--clock cpu``: this process's CPU time (``time.process_time``) instead of wall time — on a
 machine shared with other jobs the wall time of a single-threaded run counts the time spent
@@ -43,6 +46,7 @@ import torch
 
 from benchmarks._harness import print_table, side_by_side
 from qkv.models import CLIP
+from qkv.ops.fast_linear import onednn_linear, onednn_linear_active
 
 
 def hf_model(args):
@@ -90,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="time.perf_counter (wall) or time.process_time (this process's CPU)")
+    p.add_argument("--no-onednn", action="store_true",
+                   help="qkv with onednn_linear(False): every linear is F.linear")
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.text_len, args.image, args.dim, args.layers, args.heads = \
@@ -103,6 +109,12 @@ def main(argv: list[str] | None = None) -> None:
           f"image {args.image}px patch {args.patch} (T={1 + (args.image // args.patch) ** 2}), "
           f"text N={args.text_len}, C={args.dim}, L={args.layers}, heads={args.heads}")
 
+    with onednn_linear(not args.no_onednn):
+        print(f"qkv linears through oneDNN: {onednn_linear_active()}")
+        _run(args)
+
+
+def _run(args) -> None:
     hf = hf_model(args).train()
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)

@@ -42,8 +42,10 @@ from torch import Tensor, nn
 from ..modules.attention import MultiHeadAttention
 from ..modules.feedforward import ACTIVATIONS, FeedForward
 from ..modules.layers import EncoderLayer, TokenRows
+from ..modules.linear_call import apply_linear
 from ..modules.norms import LayerNorm
 from ..modules.positions import Learned
+from ..ops.fast_linear import fast_linear
 from .hf_bert import config_from_hf, map_hf_state, normalise_hf_state
 from .hub import (
     CONFIG_NAME,
@@ -154,8 +156,8 @@ class MLMHead(nn.Module):
 
     def forward(self, hidden: Tensor, word_weight: Tensor) -> Tensor:
         """hidden (B, N, C), word_weight (V, C) -> logits (B, N, V)."""
-        h = self.norm(ACTIVATIONS[self.activation](self.dense(hidden)))  # (B, N, C)
-        return F.linear(h, word_weight, self.bias)  # (B, N, V)
+        h = self.norm(ACTIVATIONS[self.activation](apply_linear(self.dense, hidden)))  # (B, N, C)
+        return fast_linear(h, word_weight, self.bias)  # (B, N, V)
 
 
 class BERT(PretrainedMixin, nn.Module):
@@ -297,7 +299,9 @@ class BERT(PretrainedMixin, nn.Module):
                 h, w = h
                 attentions.append(w)
         x = rows.unpack(h)  # (B, N, C), zeros at padded positions
-        pooled = None if self.pooler is None else torch.tanh(self.pooler(x[:, 0]))  # (B, C)
+        pooled = None  # (B, C) with a pooler
+        if self.pooler is not None:
+            pooled = torch.tanh(apply_linear(self.pooler, x[:, 0]))
         return BERTOutput(x, pooled, tuple(attentions) if output_attentions else None)
 
     def mlm_logits(self, hidden: Tensor) -> Tensor:

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..modules.layers import EncoderLayer, TokenRows
+from ..modules.linear_call import apply_linear
 from ..modules.norms import LayerNorm
 from ..modules.positions import Learned
 from .clip_loss import clip_loss
@@ -452,12 +453,13 @@ class CLIP(PretrainedMixin, nn.Module):
     def encode_image(self, pixel_values: Tensor) -> Tensor:
         """Image embeddings (B_img, E), not normalised: the projected pooled features of
         ``pixel_values`` (B_img, Cin, Hi, Wi) (see ``ViT.forward``)."""
-        return self.visual_projection(self.vision.pooled_features(pixel_values))
+        return apply_linear(self.visual_projection, self.vision.pooled_features(pixel_values))
 
     def encode_text(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """Text embeddings (B_txt, E), not normalised: the projected end-of-text states of
         ``input_ids`` (B_txt, N) with ``attention_mask`` (B_txt, N), 1 = real token."""
-        return self.text_projection(self.text.pooled_features(input_ids, attention_mask))
+        pooled = self.text.pooled_features(input_ids, attention_mask)  # (B_txt, Ct)
+        return apply_linear(self.text_projection, pooled)
 
     def forward(self, pixel_values: Tensor, input_ids: Tensor,
                 attention_mask: Tensor | None = None, *, output_hidden_states: bool = False,
@@ -483,8 +485,8 @@ class CLIP(PretrainedMixin, nn.Module):
                           output_attentions=output_attentions)
         txt = self.text(input_ids, attention_mask, output_hidden_states=output_hidden_states,
                         output_attentions=output_attentions)
-        image = F.normalize(self.visual_projection(vis.pooled), dim=-1)  # (B_img, E)
-        text = F.normalize(self.text_projection(txt.pooled), dim=-1)  # (B_txt, E)
+        image = F.normalize(apply_linear(self.visual_projection, vis.pooled), dim=-1)  # (B_img, E)
+        text = F.normalize(apply_linear(self.text_projection, txt.pooled), dim=-1)  # (B_txt, E)
         scale = self.logit_scale.exp()  # (1,)
         logits_per_text = scale * (text @ image.t())  # (B_txt, B_img)
         return CLIPOutput(logits_per_text.t(), logits_per_text, image, text, scale, vis, txt)

@@ -39,6 +39,7 @@ from ..modules.attention import MultiHeadAttention
 from ..modules.cache import KVCache
 from ..modules.feedforward import FeedForward, SwiGLU
 from ..modules.layers import DecoderLayer, EncoderLayer, TokenRows
+from ..modules.linear_call import apply_linear
 from ..modules.norms import LayerNorm, RMSNorm
 from ..modules.positions import positions_from_mask
 from ..ops.masks import Padding
@@ -364,7 +365,7 @@ class Transformer(PretrainedMixin, nn.Module):
         x, w_self, w_cross = self._decode_hidden(
             tgt, memory, memory_mask=memory_mask, memory_kv=memory_kv, tgt_lengths=tgt_lengths,
             tgt_mask=tgt_mask, cache=cache, need_weights=output_attentions)
-        logits = self.lm_head(x)  # (B, N, V)
+        logits = apply_linear(self.lm_head, x)  # (B, N, V)
         if output_attentions:
             return TransformerOutput(logits, (), tuple(w_self), tuple(w_cross))
         return logits
@@ -448,7 +449,7 @@ class Transformer(PretrainedMixin, nn.Module):
         x, w_self, w_cross = self._decode_hidden(
             tgt, memory, memory_mask=keep, memory_kv=None, tgt_lengths=tgt_lengths,
             tgt_mask=tgt_mask, cache=None, need_weights=output_attentions)
-        logits = self.lm_head(x)  # (B, N, V)
+        logits = apply_linear(self.lm_head, x)  # (B, N, V)
         if output_attentions:
             return TransformerOutput(logits, tuple(w_enc), tuple(w_self), tuple(w_cross))
         return logits

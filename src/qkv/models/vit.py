@@ -36,7 +36,9 @@ from torch import Tensor, nn
 
 from ..modules.feedforward import ACTIVATIONS
 from ..modules.layers import EncoderLayer, TokenRows
+from ..modules.linear_call import apply_linear
 from ..modules.norms import LayerNorm
+from ..ops.fast_linear import fast_linear
 from .hub import ModelConfig, PretrainedMixin
 
 __all__ = ["PatchEmbed", "ViT", "ViTConfig", "ViTOutput", "check_pixel_values",
@@ -249,7 +251,8 @@ class PatchEmbed(nn.Module):
         gh, gw = h // p, w // p
         patches = x.reshape(b, cin, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5)  # (B,Gh,Gw,Cin,P,P)
         patches = patches.reshape(b, gh * gw, cin * p * p)  # (B, Gh·Gw, Cin·P·P)
-        return F.linear(patches, self.weight.reshape(self.weight.shape[0], -1), self.bias)
+        w = self.weight.reshape(self.weight.shape[0], -1)  # (C, Cin·P·P)
+        return fast_linear(patches, w, self.bias)  # (B, Gh·Gw, C)
 
     def extra_repr(self) -> str:
         c, cin, p, _ = self.weight.shape
@@ -367,8 +370,8 @@ class ViT(PretrainedMixin, nn.Module):
         hidden = [x] if output_hidden_states else None
         attentions = [] if output_attentions else None
         # The layers run on the (B·T, C) rows (EncoderLayer.forward_rows; nothing is padded:
-        # the same math as the layers' forward): without gradients the wide projections
-        # reuse buffers from layer to layer and the activation runs in place.
+        # the same math as the layers' forward): without gradients the MLP activation runs
+        # in place (quick_gelu folded into the projections, see FeedForward).
         rows = TokenRows(None, batch=x.shape[0], length=x.shape[1])
         h = rows.pack(x)  # (B·T, C)
         bufs: dict[str, Tensor] | None = None if torch.is_grad_enabled() else {}
@@ -381,10 +384,12 @@ class ViT(PretrainedMixin, nn.Module):
                 hidden.append(rows.unpack(h))
         x = self.norm(rows.unpack(h))  # (B, T, C)
         pooled = self.pool(x)  # (B, C)
+        pooler_output = None if self.pooler is None else torch.tanh(
+            apply_linear(self.pooler, pooled))  # (B, C)
         return ViTOutput(
             last_hidden_state=x, pooled=pooled,
-            pooler_output=None if self.pooler is None else torch.tanh(self.pooler(pooled)),
-            logits=None if self.head is None else self.head(pooled),
+            pooler_output=pooler_output,
+            logits=None if self.head is None else apply_linear(self.head, pooled),
             hidden_states=None if hidden is None else tuple(hidden),
             attentions=None if attentions is None else tuple(attentions))
 

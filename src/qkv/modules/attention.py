@@ -19,8 +19,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops import BACKENDS, BiasProducer, attention
+from ..ops.fast_linear import fast_linear
 from ..ops.masks import Mask
 from .cache import KVCache
+from .linear_call import apply_linear, is_plain_linear
 
 __all__ = ["MultiHeadAttention", "project_rows"]
 
@@ -36,11 +38,14 @@ def project_rows(proj: nn.Module, x: Tensor, start: int, stop: int) -> Tensor:
     ``proj`` is an ``nn.Linear``, or a module standing in for one (``qkv.peft``'s LoRA
     wrapper) that defines its own ``project_rows(x, start, stop)``: every row-block use of a
     fused projection goes through here, so such a module sees all of them.
+    A plain ``nn.Linear`` (``is_plain_linear``) goes through ``qkv.ops.fast_linear``.
     """
     own = getattr(proj, "project_rows", None)
     if own is not None:
         return own(x, start, stop)
     b = None if proj.bias is None else proj.bias[start:stop]
+    if is_plain_linear(proj):
+        return fast_linear(x, proj.weight[start:stop], b)
     return F.linear(x, proj.weight[start:stop], b)
 
 
@@ -163,7 +168,7 @@ class MultiHeadAttention(nn.Module):
 
     def _project_q(self, x: Tensor) -> Tensor:
         if self.q_proj is not None:
-            q = self.q_proj(x)  # (B, N, H·D)
+            q = apply_linear(self.q_proj, x)  # (B, N, H·D)
         else:
             q = project_rows(self.in_proj, x, 0, self._splits[0])  # (B, N, H·D)
         return self._heads(q, self.num_heads)  # (B, H, N, D)
@@ -182,7 +187,7 @@ class MultiHeadAttention(nn.Module):
         """
         self._check_input("context", context, self.kv_dim)
         if self.kv_proj is not None:
-            kv = self.kv_proj(context)  # (B, S, 2·Hkv·D)
+            kv = apply_linear(self.kv_proj, context)  # (B, S, 2·Hkv·D)
         else:
             kv = project_rows(self.in_proj, context, self._splits[0],
                               sum(self._splits))  # (B, S, 2·Hkv·D)
@@ -287,7 +292,7 @@ class MultiHeadAttention(nn.Module):
             if cache is not None and not isinstance(cache, KVCache):
                 raise TypeError(f"MultiHeadAttention: cache must be a qkv KVCache, "
                                 f"got {type(cache).__name__}")
-            proj = self.in_proj(x)  # (B, N, (H + 2·Hkv)·D)
+            proj = apply_linear(self.in_proj, x)  # (B, N, (H + 2·Hkv)·D)
             q, k, v = proj.split(self._splits, dim=-1)  # (B, N, H·D), (B, N, Hkv·D) x2
             q = self._heads(q, self.num_heads)  # (B, H, N, D)
             k = self._heads(k, self.num_kv_heads)  # (B, Hkv, N, D)
@@ -310,7 +315,7 @@ class MultiHeadAttention(nn.Module):
         if need_weights:
             out, weights = out
         out = out.transpose(1, 2).reshape(batch, n, self._splits[0])  # (B, N, H·D)
-        out = self.out_proj(out)  # (B, N, C)
+        out = apply_linear(self.out_proj, out)  # (B, N, C)
         return (out, weights) if need_weights else out
 
     def new_cache(self, batch: int, capacity: int, *, dtype: torch.dtype | None = None,

@@ -9,6 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..ops.fast_linear import fast_linear
+from .linear_call import apply_linear, is_plain_linear
+
 __all__ = ["ACTIVATIONS", "FeedForward", "QuickGELU", "SwiGLU", "quick_gelu", "quick_gelu_"]
 
 QUICK_GELU_ALPHA = 1.702
@@ -67,11 +70,31 @@ ACTIVATIONS = {
 }
 
 
+_FOLD_DTYPES = (torch.float32, torch.float64)
+_INPLACE_ACTIVATIONS = {
+    "gelu": torch.ops.aten.gelu_,
+    "gelu_tanh": lambda t: torch.ops.aten.gelu_(t, approximate="tanh"),
+    "relu": torch.relu_,
+    "silu": lambda t: F.silu(t, inplace=True),
+    "quick_gelu": quick_gelu_,
+}
+
+
 class FeedForward(nn.Module):
     """Linear(C -> F), activation, dropout, Linear(F -> C) (Vaswani et al.: ReLU, F = 4C).
 
     ``activation`` is one of ``ACTIVATIONS``: "relu", "gelu" (erf), "gelu_tanh", "silu",
     "quick_gelu" (CLIP).
+
+    Plain ``nn.Linear`` projections (``qkv.modules.linear_call.is_plain_linear``) run
+    through ``qkv.ops.fast_linear``; others (LoRA wrappers, quantized layers, hooks) are
+    called as modules. Without gradients, quick_gelu between two plain projections is
+    computed as quick_gelu(z) = z·sigmoid(a·z) = silu(a·z) / a (a = 1.702) with a folded
+    into fc_in's weight and bias and 1/a into fc_out's weight: one fused SiLU pass instead
+    of quick_gelu's three (the same function up to rounding, ~1e-7 relative in fp32; fp32
+    and fp64 only: half-precision weights would round the scaled copies coarsely). With
+    gradients the scaled weights would be extra saved tensors for a gain measured within
+    noise, so training uses ``QuickGELU`` (lean backward) as written.
     """
 
     def __init__(self, dim: int, hidden: int, *, activation: str = "relu", bias: bool = True,
@@ -87,7 +110,27 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x (B, N, C) -> (B, N, C)."""
-        return self.fc_out(self.dropout(ACTIVATIONS[self.activation](self.fc_in(x))))
+        return self.run(x)
+
+    def run(self, x: Tensor, *, inplace: bool = False) -> Tensor:
+        """``forward`` on x (..., C) -> (..., C) (any leading dims: token rows (T, C) too).
+        ``inplace``: apply the activation in place on the hidden (..., F) tensor (only
+        without gradients, as ``EncoderLayer.forward_rows`` does)."""
+        fc_in, fc_out = self.fc_in, self.fc_out
+        if (self.activation == "quick_gelu" and not torch.is_grad_enabled()
+                and fc_in.weight.dtype in _FOLD_DTYPES
+                and is_plain_linear(fc_in) and is_plain_linear(fc_out)):
+            a = QUICK_GELU_ALPHA
+            b_in = None if fc_in.bias is None else fc_in.bias * a
+            f = fast_linear(x, fc_in.weight * a, b_in)  # (..., F) = a·z, a fresh tensor
+            f = F.silu(f, inplace=True)  # a·quick_gelu(z)
+            return fast_linear(self.dropout(f), fc_out.weight * (1 / a), fc_out.bias)
+        f = apply_linear(fc_in, x)  # (..., F)
+        # in place only on a plain projection's output (a fresh tensor)
+        act = (_INPLACE_ACTIVATIONS.get(self.activation)
+               if inplace and is_plain_linear(fc_in) else None)
+        f = act(f) if act is not None else ACTIVATIONS[self.activation](f)
+        return apply_linear(fc_out, self.dropout(f))  # (..., C)
 
 
 class SwiGLU(nn.Module):
@@ -102,5 +145,5 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x (B, N, C) -> (B, N, C)."""
-        gate, up = self.fc_in(x).chunk(2, dim=-1)  # (B, N, F) each
-        return self.fc_out(self.dropout(F.silu(gate) * up))
+        gate, up = apply_linear(self.fc_in, x).chunk(2, dim=-1)  # (B, N, F) each
+        return apply_linear(self.fc_out, self.dropout(F.silu(gate) * up))

@@ -20,13 +20,13 @@ masked by the caller's mask, as they are by ``Padding(keep=...)``).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops import attention
 from .attention import MultiHeadAttention
 from .cache import KVCache
-from .feedforward import ACTIVATIONS, FeedForward, SwiGLU, quick_gelu_
+from .feedforward import FeedForward, SwiGLU
+from .linear_call import apply_linear, has_hooks
 from .norms import make_norm
 
 __all__ = ["DecoderLayer", "EncoderLayer", "TokenRows"]
@@ -72,36 +72,6 @@ class TokenRows:
             return h.new_zeros(self.batch * self.length, *h.shape[1:]).index_copy(
                 0, self.index, h).view(shape)
         return out.index_copy_(0, self.index, h).view(shape)
-
-
-def _buffer(bufs: dict[str, Tensor], name: str, like: Tensor,
-            shape: tuple[int, ...] | None = None) -> Tensor:
-    """``bufs[name]``, (re)allocated when its shape (default ``like``'s), dtype or device
-    differ (no-grad only)."""
-    shape = tuple(like.shape) if shape is None else shape
-    out = bufs.get(name)
-    if out is None or out.shape != shape or out.dtype != like.dtype or out.device != like.device:
-        out = bufs[name] = like.new_empty(shape)
-    return out
-
-
-def _linear(lin: nn.Linear, x: Tensor, bufs: dict[str, Tensor] | None, name: str) -> Tensor:
-    """``lin(x)`` for x (T, Cin) -> (T, Cout), written into ``bufs[name]`` when given
-    (no-grad only: the buffer is overwritten by the next layer)."""
-    if bufs is None:
-        return lin(x)
-    out = _buffer(bufs, name, x, (x.shape[0], lin.out_features))
-    if lin.bias is None:
-        return torch.mm(x, lin.weight.t(), out=out)
-    return torch.addmm(lin.bias, x, lin.weight.t(), out=out)
-
-
-_INPLACE_ACTIVATIONS = {
-    "gelu": torch.ops.aten.gelu_,
-    "gelu_tanh": lambda t: torch.ops.aten.gelu_(t, approximate="tanh"),
-    "relu": torch.relu_,
-    "silu": lambda t: F.silu(t, inplace=True),
-}
 
 
 def _build_ffn(dim: int, hidden: int, activation: str, bias: bool, dropout: float, factory):
@@ -172,10 +142,13 @@ class EncoderLayer(nn.Module):
 
     def rows_are_direct(self, cache: KVCache | None = None) -> bool:
         """True when ``forward_rows`` runs this layer's parts directly (a
-        ``MultiHeadAttention`` with a fused ``in_proj`` and plain ``nn.Linear`` projections,
-        no cache or a plain ``KVCache``); otherwise it unpacks and calls ``forward``."""
+        ``MultiHeadAttention`` without hooks, with a fused ``in_proj`` and ``nn.Linear``
+        projections, no cache or a plain ``KVCache``); otherwise it unpacks and calls
+        ``forward``. (Hooks on the projections themselves are honoured either way:
+        ``qkv.modules.linear_call.apply_linear``.)"""
         attn = self.attn
-        return (type(attn) is MultiHeadAttention and attn.in_proj is not None
+        return (type(attn) is MultiHeadAttention and not has_hooks(attn)
+                and attn.in_proj is not None
                 and type(attn.in_proj) is nn.Linear and type(attn.out_proj) is nn.Linear
                 and (cache is None or type(cache) is KVCache))
 
@@ -190,9 +163,11 @@ class EncoderLayer(nn.Module):
         / ``bias`` / ``cache`` / ``positions`` (which ``forward`` would get for x), provided
         ``mask`` masks every padded key (the padded keys/values here are zeros, not
         projections of padded inputs; a cache stores those zeros). ``bufs``: a dict shared
-        by the layers of one forward, only without gradients: the wide projections write
-        into buffers reused from layer to layer and the activation runs in place (fresh
-        large buffers cost page faults on CPU, ~10 % of a forward).
+        by the layers of one forward, only without gradients: the padded (B·N, ...) layout
+        of the projections is a buffer reused from layer to layer and the FFN activation
+        runs in place. The projections go through ``qkv.modules.linear_call.apply_linear``
+        (oneDNN for plain ``nn.Linear``s; measured faster here than MKL's GEMM writing into
+        reused buffers).
         """
         if not self.rows_are_direct(cache):  # parts swapped in (adapters...): forward itself
             out = self(rows.unpack(h), mask=mask, causal=causal, bias=bias,
@@ -202,12 +177,13 @@ class EncoderLayer(nn.Module):
         attn = self.attn
         b, n = rows.batch, rows.length
         a_in = self.norm1(h) if self.norm_first else h
-        proj = _linear(attn.in_proj, a_in, bufs, "proj")  # (T, (H + 2·Hkv)·D)
+        proj = apply_linear(attn.in_proj, a_in)  # (T, (H + 2·Hkv)·D)
         if bufs is None or rows.index is None:
             full = None
         else:  # padded rows stay zero from layer to layer
             full = bufs.get("full")
-            if full is None or full.shape != (b * n, proj.shape[-1]) or full.dtype != h.dtype:
+            if (full is None or full.shape != (b * n, proj.shape[-1])
+                    or full.dtype != proj.dtype or full.device != proj.device):
                 full = bufs["full"] = proj.new_zeros(b * n, proj.shape[-1])
         proj = rows.unpack(proj, out=full)  # (B, N, (H + 2·Hkv)·D)
         q, k, v = proj.split(attn._splits, dim=-1)  # (B, N, H·D), (B, N, Hkv·D) x2
@@ -230,7 +206,7 @@ class EncoderLayer(nn.Module):
         if need_weights:
             out, weights = out
         out = rows.pack(out.transpose(1, 2))  # (T, H, D)
-        a = self.dropout(attn.out_proj(out.reshape(out.shape[0], -1)))  # (T, C)
+        a = self.dropout(apply_linear(attn.out_proj, out.reshape(out.shape[0], -1)))  # (T, C)
         if self.norm_first:
             h = a.add_(h)
             f = self._ffn_rows(self.norm2(h), bufs)
@@ -280,7 +256,7 @@ class EncoderLayer(nn.Module):
         b = rows.batch
         dq = attn._splits[0]
         a_in = self.norm1(h) if self.norm_first else h  # (T, C)
-        proj = _linear(attn.in_proj, a_in, bufs, "proj")  # (T, (H + 2·Hkv)·D)
+        proj = apply_linear(attn.in_proj, a_in)  # (T, (H + 2·Hkv)·D)
         q = proj.index_select(0, at)[:, :dq]  # (B, H·D)
         q = q.reshape(b, 1, attn.num_heads, attn.head_dim).transpose(1, 2)  # (B, H, 1, D)
         kv = rows.unpack(proj[:, dq:])  # (B, N, 2·Hkv·D), zeros at padded positions
@@ -289,7 +265,8 @@ class EncoderLayer(nn.Module):
         v = attn._heads(v, attn.num_kv_heads)  # (B, Hkv, N, D)
         out = attention(q, k, v, mask=mask, dropout_p=attn.dropout if attn.training else 0.0,
                         backend=attn.backend)  # (B, H, 1, D)
-        a = self.dropout(attn.out_proj(out.transpose(1, 2).reshape(b, dq)))  # (B, C)
+        a = apply_linear(attn.out_proj, out.transpose(1, 2).reshape(b, dq))  # (B, C)
+        a = self.dropout(a)
         x = h.index_select(0, at)  # (B, C)
         if self.norm_first:
             x = a.add_(x)
@@ -299,17 +276,12 @@ class EncoderLayer(nn.Module):
 
     def _ffn_rows(self, h: Tensor, bufs: dict[str, Tensor] | None) -> Tensor:
         """The feed-forward on rows (T, C), then the residual dropout; a plain
-        ``FeedForward`` writes its wide activation into ``bufs`` and applies it in place."""
+        ``FeedForward`` (no hooks) runs its activation in place when ``bufs`` is given (no
+        grad)."""
         ffn = self.ffn
-        if type(ffn) is not FeedForward or type(ffn.fc_in) is not nn.Linear:
+        if type(ffn) is not FeedForward or has_hooks(ffn):
             return self.dropout(ffn(h))
-        f = _linear(ffn.fc_in, h, bufs, "ffn")  # (T, F)
-        if bufs is not None and ffn.activation == "quick_gelu":
-            f = quick_gelu_(f, buffer=_buffer(bufs, "act", f))  # (T, F), in place
-        else:
-            inplace = None if bufs is None else _INPLACE_ACTIVATIONS.get(ffn.activation)
-            f = inplace(f) if inplace is not None else ACTIVATIONS[ffn.activation](f)
-        return self.dropout(ffn.fc_out(ffn.dropout(f)))  # (T, C)
+        return self.dropout(ffn.run(h, inplace=bufs is not None))  # (T, C)
 
 
 class DecoderLayer(nn.Module):
