@@ -36,6 +36,7 @@ from ..modules.cache import KVCache, LinearCache, WindowKVCache
 from ..modules.feedforward import ACTIVATIONS
 from ..modules.layers import EncoderLayer
 from ..modules.linear_attention import LinearAttention
+from ..modules.linear_call import apply_linear
 from ..modules.norms import LayerNorm, RMSNorm, make_norm
 from ..modules.positions import Learned, RoPE, positions_from_mask
 from ..ops.fast_linear import fast_linear
@@ -487,12 +488,7 @@ class GPT(PretrainedMixin, nn.Module):
         h, attentions = self.hidden_states(input_ids, attention_mask=attention_mask,
                                            position_ids=position_ids, cache=cache,
                                            output_attentions=output_attentions)
-        head = self.lm_head
-        if (type(head) is nn.Linear and not (head._forward_hooks or head._forward_pre_hooks)
-                and not torch.jit.is_tracing() and not torch.compiler.is_compiling()):
-            logits = fast_linear(h, head.weight, head.bias)  # (B, N, V), oneDNN where it pays
-        else:  # a wrapped / quantized / hooked head is called as a module
-            logits = head(h)  # (B, N, V)
+        logits = apply_linear(self.lm_head, h)  # (B, N, V); oneDNN where it pays
         return GPTOutput(logits, tuple(attentions)) if output_attentions else logits
 
     def loss(self, input_ids: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None,
