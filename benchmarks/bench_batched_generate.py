@@ -12,13 +12,19 @@ outputs are checked to be the same tokens. Runs alternate (the order flips every
 a warm-up; the table shows medians per round: seconds per run, tokens/s (B·T / time) and the
 speed relative to HF.
 
-"matmuls alone": per token step, one (B, in) @ (in, out) product per linear layer and the LM
-head, nothing else (no attention, norms, embedding, argmax): at B = 16 the step is mostly
-these products, so this is the floor a decoder approaches.
+"matmuls alone": per token step, one (B, in) x weight product per linear layer and the LM
+head, nothing else (no attention, norms, embedding, argmax), through two layouts: ``mm`` by an
+(in, out) copy (what the 1-row step uses) and oneDNN's matmul on packed weights
+(``torch.ops.mkldnn._linear_pointwise``, what qkv's step uses from 4 rows on where this torch
+build has it); the faster by median is the floor a decoder approaches (the table marks it).
+
+``--clock cpu`` times with ``time.process_time`` (the CPU time of this process: with one
+thread, its own work, less disturbed by other jobs on a shared machine than wall time); the
+load average is printed before and after each round.
 
 Usage: python -m benchmarks.bench_batched_generate [--quick] [--batch 16 --tokens 64
        --prompt 16 --dim 384 --layers 6 --heads 6 --vocab 8192 --repeats 3 --warmup 1
-       --rounds 3 --threads 1 --no-padding]
+       --rounds 3 --threads 1 --clock wall --no-padding]
 (``--quick``: tiny sizes and one timed run, so the test suite can run it.)
 """
 
@@ -29,11 +35,13 @@ import shlex
 import statistics
 import sys
 import tempfile
+import time
 
 import torch
 
-from benchmarks._harness import print_table, side_by_side
+from benchmarks._harness import print_table
 from qkv import generate
+from qkv.generation.fast_gpt import packing_works
 from qkv.models import GPT
 
 
@@ -53,23 +61,63 @@ def build(args) -> tuple[torch.nn.Module, GPT]:
     return hf, model
 
 
-def matmuls_alone(model: GPT, batch: int, tokens: int):
-    """T steps of one (B, in) @ (in, out) product per linear layer and the LM head."""
-    mats = []
+def matmuls_alone(model: GPT, batch: int, tokens: int, layout: str = "mm"):
+    """T steps of one (B, in) x weight product per linear layer and the LM head: ``mm`` by
+    (in, out) copies, or ``onednn`` (``_linear_pointwise`` on packed weights)."""
+    ws = []
     for layer in model.layers:
         for lin in (layer.attn.in_proj, layer.attn.out_proj, layer.ffn.fc_in,
                     layer.ffn.fc_out):
-            mats.append(lin.weight.detach().t().contiguous())
-    mats.append(model.lm_head.weight.detach().t().contiguous())
-    xs = [torch.randn(batch, m.shape[0]) for m in mats]
+            ws.append(lin.weight.detach())
+    ws.append(model.lm_head.weight.detach())  # (out, in)
+    xs = [torch.randn(batch, w.shape[1]) for w in ws]
+    if layout == "mm":
+        mats = [w.t().contiguous() for w in ws]  # (in, out)
+
+        def body() -> None:
+            for x, m in zip(xs, mats, strict=True):
+                x @ m
+    elif layout == "onednn":
+        op = torch.ops.mkldnn._linear_pointwise.default
+        with torch.no_grad():
+            packed = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in ws]
+
+        def body() -> None:
+            for x, m in zip(xs, packed, strict=True):
+                op(x, m, None, "none", [], "")
+    else:
+        raise ValueError(f"matmuls_alone: layout must be 'mm' or 'onednn', got {layout!r}")
 
     def run() -> None:
         with torch.inference_mode():
             for _ in range(tokens):
-                for x, m in zip(xs, mats, strict=True):
-                    x @ m
+                body()
 
     return run
+
+
+def _alternate(fns: dict, warmup: int, repeats: int, clock) -> dict[str, float]:
+    """Median seconds per call of each function by ``clock``, timed alternately in one loop
+    (the order flips every repeat), so that the machine's drift hits every contender alike."""
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            t0 = clock()
+            fns[name]()
+            times[name].append(clock() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _load() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "n/a"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -87,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3,
                    help="independent side-by-side rounds (the median ratio is reported)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall: time.perf_counter; cpu: time.process_time (this process)")
     p.add_argument("--no-padding", action="store_true", help="every prompt N real tokens")
     args = p.parse_args(argv)
     if args.quick:
@@ -100,7 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     b, n, t = args.batch, args.prompt, args.tokens
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 CPU; B={b} "
           f"N={n} ({'unpadded' if args.no_padding else 'left-padded'}) T={t} C={args.dim} "
-          f"L={args.layers} H={args.heads} V={args.vocab}, greedy")
+          f"L={args.layers} H={args.heads} V={args.vocab}, greedy, {args.clock} clock; load "
+          f"average {_load()}")
 
     hf, model = build(args)
     torch.manual_seed(1)
@@ -125,22 +176,29 @@ def main(argv: list[str] | None = None) -> None:
     print(f"same tokens: {same} ({agree} of {a.numel()} positions agree)")
 
     fns = {"HF GPT2LMHeadModel.generate": hf_run, "qkv.generate": qkv_run,
-           "matmuls alone (floor)": matmuls_alone(model, b, t)}
-    rows, ratios, floors = [], [], []
+           "matmuls alone: mm(x, W_t)": matmuls_alone(model, b, t, "mm")}
+    if packing_works():
+        fns["matmuls alone: oneDNN packed"] = matmuls_alone(model, b, t, "onednn")
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    rows, ratios, floors, loads = [], [], [], [_load()]
     for r in range(args.rounds):
-        times = side_by_side(fns, args.warmup, args.repeats)
+        times = _alternate(fns, args.warmup, args.repeats, clock)
+        loads.append(_load())
         hf_t, qkv_t = times["HF GPT2LMHeadModel.generate"], times["qkv.generate"]
+        floor = min((n for n in times if n.startswith("matmuls alone")), key=times.__getitem__)
         ratios.append(hf_t / qkv_t)
-        floors.append(times["matmuls alone (floor)"] / qkv_t)
+        floors.append(times[floor] / qkv_t)
         for name, sec in times.items():
-            rows.append([str(r + 1), name, f"{sec * 1e3:.0f}", f"{b * t / sec:.0f}",
+            tag = " (floor)" if name == floor else ""
+            rows.append([str(r + 1), name + tag, f"{sec * 1e3:.0f}", f"{b * t / sec:.0f}",
                          f"{hf_t / sec:.2f}x"])
     print_table(f"Greedy generation, B={b}, {t} new tokens per row, fp32 CPU, median of "
-                f"{args.repeats} per round", ["round", "run", "ms/run", "tokens/s",
-                                              "speed vs HF"], rows)
+                f"{args.repeats} per round ({args.clock} clock)",
+                ["round", "run", "ms/run", "tokens/s", "speed vs HF"], rows)
     print(f"\nqkv / HF tokens/s at B={b}: median {statistics.median(ratios):.2f}x over "
           f"{len(ratios)} round(s) (min {min(ratios):.2f}x, max {max(ratios):.2f}x); qkv runs "
-          f"at {statistics.median(floors):.2f} of the matmuls-alone speed")
+          f"at {statistics.median(floors):.2f} of the matmuls-alone speed; load average "
+          f"{' -> '.join(loads)}")
 
 
 if __name__ == "__main__":

@@ -23,11 +23,14 @@ timed too, so that what the search loop adds is visible.
 
 Each thread count in ``--threads`` (default 1 and 2) gets its own alternating rounds; the
 table shows per contender the median and best ms/token over all repeats of all rounds, and
-qkv / floor (tokens/s ratio; ≥ 0.9 is the goal).
+qkv / floor (tokens/s ratio; ≥ 0.9 is the goal). ``--clock cpu`` times with
+``time.process_time`` (this process's CPU time: at one thread its own work, less disturbed
+than wall time by other jobs on a shared machine; at 2 threads it adds both threads' time, so
+use wall time there).
 
 Usage: python -m benchmarks.bench_generate [--quick] [--tokens 128 --prompt 8 --dim 384
        --layers 6 --heads 6 --vocab 8192 --repeats 5 --warmup 1 --rounds 1 --threads 1 2
-       --layouts all]
+       --layouts all --clock wall]
 (``--quick``: tiny sizes and one timed run, so the test suite can run it. ``--floor`` is
 accepted for old command lines: the floor is always timed now.)
 """
@@ -120,9 +123,11 @@ def decode_only(model: GPT, ids: torch.Tensor, tokens: int):
     return run
 
 
-def _alternate(fns: dict, warmup: int, repeats: int) -> dict[str, list[float]]:
-    """Seconds of every call of each function, timed alternately in one loop (the order
-    flips every repeat), so that the machine's drift hits every contender alike."""
+def _alternate(fns: dict, warmup: int, repeats: int, clock=time.perf_counter
+               ) -> dict[str, list[float]]:
+    """Seconds (by ``clock``) of every call of each function, timed alternately in one loop
+    (the order flips every repeat), so that the machine's drift hits every contender
+    alike."""
     names = list(fns)
     for _ in range(warmup):
         for name in names:
@@ -130,9 +135,9 @@ def _alternate(fns: dict, warmup: int, repeats: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeats):
         for name in names if r % 2 == 0 else names[::-1]:
-            t0 = time.perf_counter()
+            t0 = clock()
             fns[name]()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     return times
 
 
@@ -161,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="torch thread counts, each timed apart (0: torch's default)")
     p.add_argument("--layouts", nargs="+", default=["all"],
                    help=f"floor layouts to time: 'all' or some of {LAYOUTS}")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall: time.perf_counter; cpu: time.process_time (this process)")
     p.add_argument("--floor", action="store_true", help="(ignored: the floor is always timed)")
     args = p.parse_args(argv)
     if args.quick:
@@ -171,8 +178,8 @@ def main(argv: list[str] | None = None) -> None:
     print("command: python -m benchmarks.bench_generate "
           + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)))
     print(f"torch {torch.__version__}, fp32 CPU; B=1 N={args.prompt} T={args.tokens} "
-          f"C={args.dim} L={args.layers} H={args.heads} V={args.vocab}, greedy; "
-          f"load average at start {_load()}")
+          f"C={args.dim} L={args.layers} H={args.heads} V={args.vocab}, greedy; {args.clock} "
+          f"clock; load average at start {_load()}")
 
     hf, model = build(args)
     torch.manual_seed(1)
@@ -197,6 +204,7 @@ def main(argv: list[str] | None = None) -> None:
            "qkv decode step alone (no search loop)": decode_only(model, ids, t)}
     for layout in layouts:
         fns[f"floor: {layout}"] = weight_reads(model, t, layout)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     rows, summary = [], []
     for threads in args.threads:
         if threads:
@@ -204,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         per: dict[str, list[float]] = {name: [] for name in fns}
         loads = [_load()]
         for _ in range(args.rounds):
-            times = _alternate(fns, args.warmup, args.repeats)
+            times = _alternate(fns, args.warmup, args.repeats, clock)
             for name, ts in times.items():
                 per[name] += ts
             loads.append(_load())
@@ -223,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
                        f"qkv / HF {med[hf_name] / med[qkv_name]:.2f}x; load average "
                        f"{' -> '.join(loads)}")
     print_table(f"Greedy generation, B=1, {t} new tokens, fp32 CPU, {args.rounds} round(s) of "
-                f"{args.repeats} alternating repeats per thread count",
+                f"{args.repeats} alternating repeats per thread count ({args.clock} clock)",
                 ["threads", "run", "ms/token median", "ms/token best", "tokens/s median",
                  "speed vs HF", "floor / this (median)", "floor / this (best)"], rows)
     print()

@@ -4,7 +4,8 @@ encoder-decoder models.
 Modules: ``api`` (``generate``: argument checks, dispatch), ``search`` (the greedy/sampling
 and beam-search loops), ``steppers`` (how each model kind produces next-token logits, with
 or without a cache; ``reorder_cache`` for beams), ``fast_gpt`` (a lean single-token decode
-step for ``qkv.models.GPT``), ``text`` (``translate`` / ``complete``: strings in, strings
+step for ``qkv.models.GPT``; oneDNN packed weights from 4 rows on), ``attention_kernel`` (its
+optional C attention), ``text`` (``translate`` / ``complete``: strings in, strings
 out, framed as ``qkv train`` trains).
 """
 

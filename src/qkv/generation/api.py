@@ -191,8 +191,9 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
     ``early_stopping=False`` heuristic (see ``qkv.generation.search.beam_search``); with the
     same weights it returns HF's tokens. Decoding runs under ``torch.inference_mode()``; a
     plain ``GPT`` decodes through a lean single-token step (``qkv.generation.fast_gpt``) that
-    keeps transposed copies of its linear weights alive with the model after the first call
-    (about the size of those weights; dropped when a weight changes or the model is freed;
+    keeps copies of its linear weights alive with the model after the first call: transposed
+    ones for fewer than 4 rows, oneDNN-packed ones (fp32) from 4 rows on (each set about the
+    size of those weights; dropped when a weight changes or the model is freed;
     ``qkv.generation.fast_gpt.release(model)`` frees them now).
 
     Raises:

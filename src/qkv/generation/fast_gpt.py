@@ -20,11 +20,26 @@ floor. ``torch.compile`` of the step was tried: with the cache length changing e
 recompiles until its limit (minutes on this machine) and then ran slower than eager, so it is
 not used.
 
-The transposed copies (as large as the model's linear weights, LM head included) are made on
-the first ``generate`` call and kept with the model — a weak reference, freed with it — so
-later calls skip the copy (~20-90 ms for 58 MB on this machine, mostly page faults). A
+From ``qkv.ops.fast_linear.MIN_ROWS`` (4) rows on (fp32 on CPU, layers of at least
+``PACKED_MIN_WEIGHTS`` weights on average) the step multiplies through oneDNN's matmul
+(``torch.ops.mkldnn._linear_pointwise``, the op ``fast_linear`` uses) on weights packed once
+for it (``_reorder_linear_weight``), with fc_in's activation (relu, gelu, gelu_tanh, silu)
+and the residual adds of out_proj and fc_out fused into the call: measured here at 16 rows,
+1 thread, the 25 matrices of a 6-layer, 384-wide GPT with an 8192-token head take ~6.8 ms
+per step that way against ~10.5 ms through ``addmm`` by (in, out) copies (MKL's small-M GEMM
+is slow on this AMD CPU; oneDNN's packed kernels are not); at 1 row ``addmm`` is faster
+(~4.3 vs ~5.0 ms), so one row keeps the (in, out) copies. In fp32 on one thread the
+attention of each layer is one call of a small C kernel (``attention_kernel``: it skips the
+padded keys and reads each cached key and value once), where the torch path is baddbmm ->
+softmax -> bmm over R·Hkv tiny batches (~0.3 vs ~0.45 ms a layer at 16 rows, ~18 vs ~29 µs
+at 1 row, 72 keys); other thread counts, dtypes or a missing compiler keep the torch ops.
+
+The transposed or packed copies (each as large as the model's linear weights, LM head
+included) are made on the first ``generate`` call that needs them and kept with the model —
+a weak reference, freed with it — so later calls skip the copy (~20-90 ms for 58 MB on this
+machine, mostly page faults; packing ~80 ms). A
 parameter that was moved, replaced or changed in place (its pointer or version counter, or a
-sample of its first and last rows, differs) invalidates them; ``release(model)`` frees them.
+sample of its first and last rows, differs) invalidates them; ``release(model)`` frees both.
 
 The prompt is prefilled by the model itself (``GPT.hidden_states`` with its ``KVCache``s);
 ``eligible`` says when this step computes exactly what ``GPT.forward`` would (plain GPT
@@ -50,8 +65,11 @@ from ..modules.cache import KVCache
 from ..modules.feedforward import ACTIVATIONS, FeedForward
 from ..modules.layers import EncoderLayer
 from ..modules.norms import LayerNorm
+from ..ops import fast_linear as _fast_linear
+from . import attention_kernel
 
-__all__ = ["FastGPTStepper", "eligible", "plain_gpt", "release", "transposed_weights"]
+__all__ = ["PACKED_MIN_WEIGHTS", "FastGPTStepper", "eligible", "packed_weights", "packing_works",
+           "plain_gpt", "release", "transposed_weights", "use_packed"]
 
 # GPTConfig fields this step implements (any value); another field with a non-default value
 # (a variant added later) sends the model to the generic stepper.
@@ -98,7 +116,8 @@ def plain_gpt(model: object, *, linear: type, dtypes: tuple[torch.dtype, ...]) -
     return True
 
 
-_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (stamp, weights)
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# model -> {kind: (stamp, samples, weights)}, kind "t" (transposed) or "packed" (oneDNN)
 
 
 def _linear_weights(model: GPT) -> list[Tensor]:
@@ -114,26 +133,94 @@ def _stamp(w: Tensor) -> tuple:
     return (w.data_ptr(), w._version, tuple(w.shape), w.dtype, w.device)
 
 
-def transposed_weights(model: GPT) -> list[Tensor]:
-    """(in, out) contiguous copies of ``_linear_weights(model)``: 4 per layer (in_proj,
-    out_proj, fc_in, fc_out) and the LM head (C, V); reused while the weights are unchanged."""
+def _samples(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Copies of a few entries of the first and last rows of an (out, in) weight."""
+    return w[0, :8].detach().clone(), w[-1, -8:].detach().clone()
+
+
+def _kept(model: GPT, kind: str, make) -> list[Tensor]:
+    """``make(weights)`` of ``_linear_weights(model)``, made once and reused while the weights
+    are unchanged (pointer, version counter, shape, dtype, device and a sample of entries)."""
     src = _linear_weights(model)
     stamp = tuple(_stamp(w) for w in src)
-    hit = _PLANS.get(model)
+    plans = _PLANS.setdefault(model, {})
+    hit = plans.get(kind)
     if hit is not None and hit[0] == stamp and all(  # samples catch edits through .data
-            torch.equal(w[0, :8], t[:8, 0]) and torch.equal(w[-1, -8:], t[-8:, -1])
-            for w, t in zip(src, hit[1], strict=True)):
-        return hit[1]
-    _PLANS.pop(model, None)  # free the stale copies before making new ones
-    out = [w.detach().t().contiguous() for w in src]  # (out, in) -> (in, out)
-    _PLANS[model] = (stamp, out)
+            torch.equal(w[0, :8], a) and torch.equal(w[-1, -8:], b)
+            for w, (a, b) in zip(src, hit[1], strict=True)):
+        return hit[2]
+    plans.pop(kind, None)  # free the stale copies before making new ones
+    out = make([w.detach() for w in src])
+    plans[kind] = (stamp, [_samples(w) for w in src], out)
     return out
 
 
+def transposed_weights(model: GPT) -> list[Tensor]:
+    """(in, out) contiguous copies of ``_linear_weights(model)``: 4 per layer (in_proj,
+    out_proj, fc_in, fc_out) and the LM head (C, V); reused while the weights are unchanged."""
+    return _kept(model, "t", lambda ws: [w.t().contiguous() for w in ws])  # (out, in) -> (in, out)
+
+
+def packed_weights(model: GPT) -> list[Tensor]:
+    """oneDNN-packed (opaque ``mkldnn`` tensor) copies of ``_linear_weights(model)`` for
+    ``torch.ops.mkldnn._linear_pointwise``, in the order of ``transposed_weights``; reused
+    while the weights are unchanged. Needs ``packing_works()``."""
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    return _kept(model, "packed", lambda ws: [reorder(w, _PACK_ROWS) for w in ws])
+
+
 def release(model: GPT) -> None:
-    """Free the transposed weight copies kept for ``model`` (no-op if there are none)."""
+    """Free the transposed and packed weight copies kept for ``model`` (no-op if none)."""
     _PLANS.pop(model, None)
 
+
+PACKED_MIN_WEIGHTS = 1 << 17
+"""Fewest weights per linear layer (the mean over the layers and the LM head) for which a
+step of ``MIN_ROWS`` or more rows goes through oneDNN with packed weights: each call costs
+~15 µs more than ``addmm``, which small layers do not earn back (measured here, 1 thread:
+a 2-layer GPT of width 128 is slower packed, width 192 and up faster)."""
+_PACK_ROWS = 16  # the batch-size hint the weights are packed for (any row count works)
+_PACKING: dict[str, bool] = {}
+
+
+def packing_works() -> bool:
+    """True when this torch build packs linear weights for oneDNN and the packed matmul
+    agrees with ``F.linear`` on a small input (checked once per process), and
+    ``qkv.ops.fast_linear.onednn_linear(False)`` is not in force."""
+    if "ok" not in _PACKING:
+        _PACKING["ok"] = False
+        op = _fast_linear._op()
+        if op is not None:
+            try:
+                g = torch.Generator().manual_seed(0)
+                x = torch.randn(5, 16, generator=g)
+                w = torch.randn(24, 16, generator=g)
+                b = torch.randn(24, generator=g)
+                with torch.no_grad():
+                    got = op(x, torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS), b,
+                             "none", [], "")
+                _PACKING["ok"] = bool(got.shape == (5, 24) and torch.allclose(
+                    got, F.linear(x, w, b), rtol=1e-5, atol=1e-5))
+            except (AttributeError, RuntimeError):  # no such op in this build
+                pass
+    return _PACKING["ok"] and _fast_linear.onednn_linear_active()
+
+
+def use_packed(model: GPT, rows: int) -> bool:
+    """Whether a ``FastGPTStepper`` of ``rows`` rows multiplies through oneDNN's packed
+    weights: fp32 on CPU, at least ``qkv.ops.fast_linear.MIN_ROWS`` rows, layers of at least
+    ``PACKED_MIN_WEIGHTS`` weights on average, and ``packing_works()``."""
+    src = _linear_weights(model)
+    w = src[0]
+    return (rows >= _fast_linear.MIN_ROWS and w.dtype is torch.float32
+            and w.device.type == "cpu"
+            and sum(t.numel() for t in src) >= PACKED_MIN_WEIGHTS * len(src)
+            and packing_works())
+
+
+# activations by name as oneDNN post-ops (attr, algorithm) of _linear_pointwise
+_ONEDNN_ACT = {"relu": ("relu", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"),
+               "silu": ("swish", "")}
 
 # activations by name, as direct (in-place where torch has one) calls on a fresh buffer
 _INPLACE = {"relu": torch.relu_,
@@ -169,10 +256,19 @@ class FastGPTStepper:
         self.group = heads // kv_heads  # g query heads per kv head
         self.scale = 1.0 / d ** 0.5
         self.act = _INPLACE.get(c.activation) or ACTIVATIONS[c.activation]
-        wt = transposed_weights(model)
+        # R >= MIN_ROWS rows (fp32, large enough layers): oneDNN matmuls on packed weights,
+        # the activation fused into fc_in where oneDNN has it, residuals fused into out_proj
+        # and fc_out; fewer rows: addmm/mm on (in, out) copies
+        self.packed = use_packed(model, rows)
+        self.fused_act = _ONEDNN_ACT.get(c.activation, ("none", "")) if self.packed else None
+        wt = packed_weights(model) if self.packed else transposed_weights(model)
+        # fp32 on one thread: attention through the C kernel (one call per layer)
+        self.attn_kernel = (attention_kernel.load() if model.embed.weight.dtype is torch.float32
+                            and ids.device.type == "cpu" and torch.get_num_threads() == 1
+                            and self.group <= attention_kernel.MAX_GROUP else None)
         dtype, device = model.embed.weight.dtype, ids.device
         hd, kvd = heads * d, kv_heads * d
-        capacity = n + max_new_tokens
+        self.capacity = capacity = n + max_new_tokens
         self.cache = model.new_cache(rows, capacity)
         if not all(type(kc) is KVCache for kc in self.cache):
             raise TypeError("FastGPTStepper: GPT.new_cache did not return KVCaches")
@@ -215,14 +311,24 @@ class FastGPTStepper:
             self.bias = bias.view(rows * kv_heads, 1, capacity)
             self.beta = 1.0
             self.real = keep.sum(dim=1)
+        if self.attn_kernel is not None:
+            self.attn_out = torch.empty(rows, hd, dtype=dtype, device=device)  # (R, H·D)
+            self.attn_scratch = torch.empty(self.group * capacity, dtype=dtype, device=device)
+            if not all(kc.keys.is_contiguous() and kc.values.is_contiguous()
+                       for kc in self.cache):
+                self.attn_kernel = None
 
     def prefill(self) -> Tensor:
         """Run the prompt through the model (filling the caches); logits (R, V)."""
         h, _ = self.model.hidden_states(self.ids, attention_mask=self.keep, cache=self.cache)
+        if self.packed:
+            return _fast_linear._op()(h[:, -1].contiguous(), self.head, None, "none", [], "")
         return h[:, -1] @ self.head
 
     def step(self, tokens: Tensor) -> Tensor:
         """Feed tokens (R,) at the next position; logits (R, V)."""
+        if self.packed:
+            return self._step_packed(tokens)
         t = self.length  # cache slot of the new token
         self.length = s = t + 1
         rows, hk, g, d = self.rows, self.kv_heads, self.group, self.head_dim
@@ -243,6 +349,10 @@ class FastGPTStepper:
         layer_norm, addmm, mm, baddbmm, bmm = (torch.layer_norm, torch.addmm, torch.mm,
                                                torch.baddbmm, torch.bmm)
         softmax = torch._softmax
+        kernel = self.attn_kernel
+        if kernel is not None:
+            a, scratch, cap = self.attn_out, self.attn_scratch.data_ptr(), self.capacity
+            bias_ptr = self.bias.data_ptr() if beta else None
         for (w1, b1, e1, w_in, b_in, w_out, b_out, w2, b2, e2, w_fc, b_fc, w_proj, b_proj,
              proj, q, k4, k, v, q3, kslots, vslots, keys_t, values) in self.layers:
             h = layer_norm(x, width, w1, b1, e1)
@@ -251,21 +361,95 @@ class FastGPTStepper:
             else:
                 addmm(b_in, h, w_in, out=proj)
             if rope_pos is not None:
-                q3 = self.rope.rotate(q, rope_pos).reshape(rows * hk, g, d)  # (R·Hkv, g, D)
+                q3 = self.rope.rotate(q, rope_pos).reshape(
+                    rows * hk, g, d).contiguous()  # (R·Hkv, g, D)
                 k = self.rope.rotate(k4, rope_pos).view(rows, hk, d)  # (R, Hkv, D)
             elif q3 is None:
                 q3 = q.reshape(rows * hk, g, d)  # (R·Hkv, g, D)
             kslots[t].copy_(k)
             vslots[t].copy_(v)
-            scores = baddbmm(bias, q3, keys_t[:, :, :s], beta=beta,
-                             alpha=scale)  # (R·Hkv, g, S)
-            a = bmm(softmax(scores, -1, False), values[:, :s])  # (R·Hkv, g, D)
-            a = a.view(rows, hk * g * d)  # (R, H·D)
+            if kernel is not None:  # q rows in proj, or rotated (R·Hkv, g, D) contiguous
+                kernel(q3.data_ptr() if rope_pos is not None else proj.data_ptr(),
+                       hk * g * d if rope_pos is not None else proj.stride(0),
+                       keys_t.data_ptr(), values.data_ptr(), cap * d, rows * hk, hk, g, s, d,
+                       bias_ptr, cap, scale, a.data_ptr(), scratch)  # a: (R, H·D)
+            else:
+                scores = baddbmm(bias, q3, keys_t[:, :, :s], beta=beta,
+                                 alpha=scale)  # (R·Hkv, g, S)
+                a = bmm(softmax(scores, -1, False), values[:, :s])  # (R·Hkv, g, D)
+                a = a.view(rows, hk * g * d)  # (R, H·D)
             x = (mm(a, w_out) if b_out is None else addmm(b_out, a, w_out)).add_(x)
             h = layer_norm(x, width, w2, b2, e2)
             h = act(mm(h, w_fc) if b_fc is None else addmm(b_fc, h, w_fc))
             x = (mm(h, w_proj) if b_proj is None else addmm(b_proj, h, w_proj)).add_(x)
         return mm(layer_norm(x, width, *self.norm), self.head)  # (R, V)
+
+    def _embed(self, tokens: Tensor, t: int) -> tuple[Tensor, Tensor | None]:
+        """The input rows x (R, C) of tokens (R,) at cache slot t, and the RoPE positions
+        ((1,) or (R, 1); None without RoPE)."""
+        x = self.embed.index_select(0, tokens)  # (R, C)
+        rope_pos = None
+        if self.real is None:  # every row at position t (positions were checked by generate)
+            if self.rope is not None:
+                rope_pos = torch.tensor([t], device=tokens.device)
+            if self.pos_table is not None:
+                x += self.pos_table[t]
+        else:
+            pos = self.real + (t - self.ids.shape[1])  # (R,)
+            rope_pos = pos[:, None] if self.rope is not None else None
+            if self.pos_table is not None:
+                x += self.pos_table.index_select(0, pos)
+        return x, rope_pos
+
+    def _step_packed(self, tokens: Tensor) -> Tensor:
+        """``step`` for R >= MIN_ROWS rows: the same math, the linear layers through oneDNN's
+        matmul on packed weights (``_linear_pointwise``: bias, activation and residual add
+        fused); logits (R, V)."""
+        t = self.length  # cache slot of the new token
+        self.length = s = t + 1
+        rows, hk, g, d, h_all = self.rows, self.kv_heads, self.group, self.head_dim, self.heads
+        x, rope_pos = self._embed(tokens, t)
+        bias = self.bias if self.beta == 0.0 else self.bias[:, :, :s]  # (R·Hkv, 1, S)
+        width, beta, scale = self.width, self.beta, self.scale
+        hd, kvd = h_all * d, hk * d
+        attr, algo = self.fused_act
+        act = None if attr != "none" else self.act
+        linear, linear_add = _fast_linear._op(), torch.ops.mkldnn._linear_pointwise.binary
+        kernel = self.attn_kernel
+        if kernel is not None:
+            a, scratch, cap = self.attn_out, self.attn_scratch.data_ptr(), self.capacity
+            bias_ptr = self.bias.data_ptr() if beta else None
+        layer_norm, baddbmm, bmm, softmax = (torch.layer_norm, torch.baddbmm, torch.bmm,
+                                             torch._softmax)
+        for (w1, b1, e1, w_in, b_in, w_out, b_out, w2, b2, e2, w_fc, b_fc, w_proj, b_proj,
+             _, _, _, _, _, _, kslots, vslots, keys_t, values) in self.layers:
+            proj = linear(layer_norm(x, width, w1, b1, e1), w_in, b_in, "none", [],
+                          "")  # (R, (H + 2·Hkv)·D)
+            if rope_pos is not None:
+                q = self.rope.rotate(proj[:, :hd].view(rows, h_all, 1, d),
+                                     rope_pos).contiguous()  # (R, H, 1, D)
+                k = self.rope.rotate(proj[:, hd:hd + kvd].view(rows, hk, 1, d),
+                                     rope_pos).view(rows, hk, d)  # (R, Hkv, D)
+            else:
+                q = proj[:, :hd]
+                k = proj[:, hd:hd + kvd].view(rows, hk, d)  # (R, Hkv, D)
+            kslots[t].copy_(k)
+            vslots[t].copy_(proj[:, hd + kvd:].view(rows, hk, d))
+            if kernel is not None:  # q (R, ·) rows: in proj, or rotated (R, H, 1, D)
+                kernel(q.data_ptr(), q.stride(0), keys_t.data_ptr(), values.data_ptr(),
+                       cap * d, rows * hk, hk, g, s, d, bias_ptr, cap, scale, a.data_ptr(),
+                       scratch)  # a: (R, H·D)
+            else:
+                scores = baddbmm(bias, q.reshape(rows * hk, g, d), keys_t[:, :, :s],
+                                 beta=beta, alpha=scale)  # (R·Hkv, g, S)
+                a = bmm(softmax(scores, -1, False), values[:, :s])  # (R·Hkv, g, D)
+            x = linear_add(a.view(rows, hd), x, w_out, b_out, "add")  # (R, C)
+            h = linear(layer_norm(x, width, w2, b2, e2), w_fc, b_fc, attr, [], algo)  # (R, F)
+            if act is not None:
+                h = act(h)
+            x = linear_add(h, x, w_proj, b_proj, "add")  # (R, C)
+        return linear(layer_norm(x, width, *self.norm), self.head, None, "none", [],
+                      "")  # (R, V)
 
     def reorder(self, idx: Tensor) -> None:
         """Row r continues from row ``idx[r]`` (in place: the step's views stay valid)."""

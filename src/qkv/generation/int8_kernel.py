@@ -192,23 +192,31 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build(compiler: str) -> Path:
+def build_shared(source: str, stem: str, compiler: str) -> Path:
+    """Compile C ``source`` with ``compiler`` (``-O3 -march=native``, shared) into the cache
+    directory as ``{stem}-{hash}.so`` (hash of the source, flags, compiler version and CPU
+    flags), unless it is already there; written atomically. Raises ``OSError`` /
+    ``subprocess.SubprocessError`` on failure."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE, *_FLAGS, version, _cpu_flags(),
+    key = hashlib.sha256("\0".join([source, *_FLAGS, version, _cpu_flags(),
                                      platform.machine()]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"int8-linear-{key}.so"
+    out = _cache_dir() / f"{stem}-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        src = Path(tmp) / "int8_linear.c"
-        src.write_text(SOURCE)
+        src = Path(tmp) / f"{stem}.c"
+        src.write_text(source)
         lib = Path(tmp) / out.name
         subprocess.run([compiler, *_FLAGS, "-o", str(lib), str(src), "-lm"], check=True,
                        capture_output=True, timeout=120)
         os.replace(lib, out)  # atomic: a reader sees no half-written library
     return out
+
+
+def _build(compiler: str) -> Path:
+    return build_shared(SOURCE, "int8-linear", compiler)
 
 
 def load():

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["beam_search", "filter_logits", "greedy_or_sample"]
+__all__ = ["argmax_rows", "beam_search", "filter_logits", "greedy_or_sample"]
 
 _NEG = -1.0e9  # HF's "impossible" score: added, never a fill (sums stay comparable)
 
@@ -26,6 +26,25 @@ class Stepper(Protocol):
     def prefill(self) -> Tensor: ...
     def step(self, tokens: Tensor) -> Tensor: ...
     def reorder(self, idx: Tensor) -> None: ...
+
+
+def argmax_rows(logits: Tensor) -> Tensor:
+    """``logits.argmax(dim=-1)`` for logits (R, V) -> (R,) int64: the first index of each
+    row's largest value (NaN counts as the largest, as in ``argmax``).
+
+    From 4 rows on CPU it is computed as the first index where a row equals its ``amax``
+    (``amax``, ``eq``, ``where`` and ``amin`` are vectorised; torch's CPU ``argmax`` over the
+    last dimension is not: ~115 µs for 16 x 8192 fp32 logits here, against ~30 µs). A row
+    with a NaN (``amax`` is NaN, no entry equals it) sends the whole call to ``argmax``."""
+    rows, vocab = logits.shape
+    if rows < 4 or logits.device.type != "cpu" or not logits.dtype.is_floating_point:
+        return logits.argmax(dim=-1)
+    top = logits.amax(dim=-1, keepdim=True)  # (R, 1)
+    index = torch.arange(vocab, device=logits.device)  # (V,)
+    first = torch.where(logits == top, index, vocab).amin(dim=-1)  # (R,)
+    if bool((first == vocab).any()):  # a NaN row
+        return logits.argmax(dim=-1)
+    return first
 
 
 def filter_logits(logits: Tensor, *, temperature: float, top_k: int | None,
@@ -64,7 +83,7 @@ def greedy_or_sample(stepper: Stepper, rows: int, max_new_tokens: int, *, do_sam
                                   top_p=top_p).softmax(dim=-1)
             tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (R,)
         else:
-            tokens = logits.argmax(dim=-1)  # (R,)
+            tokens = argmax_rows(logits)  # (R,)
         if finished is not None:
             tokens = tokens.masked_fill(finished, pad)
             finished |= torch.isin(tokens, eos)
