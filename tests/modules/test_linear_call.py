@@ -35,7 +35,7 @@ def onednn_calls(monkeypatch):
     monkeypatch.setattr(fl, "MIN_ROWS", 1)
     monkeypatch.setattr(fl, "MIN_MACS", 1)
     calls: list[int] = []
-    real = fl._op()
+    real = fl.onednn_op()
     monkeypatch.setitem(fl._checked, "op", lambda *a: calls.append(1) or real(*a))
     return calls
 

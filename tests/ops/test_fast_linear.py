@@ -48,7 +48,7 @@ def test_uses_onednn_when_active_and_f_linear_when_disabled(monkeypatch):
     if not onednn_linear_active():
         pytest.skip("this torch build has no working oneDNN linear")
     calls = []
-    real = il._op()
+    real = il.onednn_op()
     monkeypatch.setitem(il._checked, "op", lambda *a: calls.append(1) or real(*a))
     x, w = torch.randn(64, 512), torch.randn(512, 512)  # 2^24 multiply-adds: oneDNN
     with torch.no_grad():
@@ -105,7 +105,7 @@ def test_falls_back_under_autocast_and_vmap(monkeypatch, small_on_onednn):
     if not onednn_linear_active():
         pytest.skip("this torch build has no working oneDNN linear")
     calls = []
-    real = il._op()
+    real = il.onednn_op()
     monkeypatch.setitem(il._checked, "op", lambda *a: calls.append(1) or real(*a))
     x, w = torch.randn(6, 8), torch.randn(3, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -49,7 +49,7 @@ def small_on_onednn(monkeypatch):
     monkeypatch.setattr(fl, "MIN_ROWS", 1)
     monkeypatch.setattr(fl, "MIN_MACS", 1)
     calls = {"onednn": 0, "lora_fn": 0}
-    op = fl._op()
+    op = fl.onednn_op()
 
     def counting_op(*args):
         calls["onednn"] += 1

@@ -189,7 +189,7 @@ def packing_works() -> bool:
     ``qkv.ops.fast_linear.onednn_linear(False)`` is not in force."""
     if "ok" not in _PACKING:
         _PACKING["ok"] = False
-        op = _fast_linear._op()
+        op = _fast_linear.onednn_op()
         if op is not None:
             try:
                 g = torch.Generator().manual_seed(0)
@@ -322,7 +322,7 @@ class FastGPTStepper:
         """Run the prompt through the model (filling the caches); logits (R, V)."""
         h, _ = self.model.hidden_states(self.ids, attention_mask=self.keep, cache=self.cache)
         if self.packed:
-            return _fast_linear._op()(h[:, -1].contiguous(), self.head, None, "none", [], "")
+            return _fast_linear.onednn_op()(h[:, -1].contiguous(), self.head, None, "none", [], "")
         return h[:, -1] @ self.head
 
     def step(self, tokens: Tensor) -> Tensor:
@@ -414,7 +414,7 @@ class FastGPTStepper:
         hd, kvd = h_all * d, hk * d
         attr, algo = self.fused_act
         act = None if attr != "none" else self.act
-        linear, linear_add = _fast_linear._op(), torch.ops.mkldnn._linear_pointwise.binary
+        linear, linear_add = _fast_linear.onednn_op(), torch.ops.mkldnn._linear_pointwise.binary
         kernel = self.attn_kernel
         if kernel is not None:
             a, scratch, cap = self.attn_out, self.attn_scratch.data_ptr(), self.capacity

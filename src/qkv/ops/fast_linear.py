@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-__all__ = ["MIN_MACS", "MIN_ROWS", "fast_linear", "onednn_linear", "onednn_linear_active"]
+__all__ = ["MIN_MACS", "MIN_ROWS", "fast_linear", "onednn_linear", "onednn_linear_active",
+           "onednn_op"]
 
 MIN_ROWS = 4
 """Fewest rows (M) worth oneDNN's per-call set-up."""
@@ -67,6 +68,15 @@ def _op():
         except (AttributeError, RuntimeError):  # no such op / no oneDNN in this build
             pass
     return _checked["op"]
+
+
+def onednn_op():
+    """oneDNN's linear op (``torch.ops.mkldnn._linear_pointwise.default``: ``op(x, weight,
+    bias, "none", [], "")`` = x @ weight.T + bias, weight (N, K) dense or packed by
+    ``torch.ops.mkldnn._reorder_linear_weight``) when this torch build has a working one
+    (checked once against ``F.linear``), else None. For callers with their own dispatch
+    (``qkv.generation.fast_gpt``); they must honour ``onednn_linear_active()`` too."""
+    return _op()
 
 
 def onednn_linear_active() -> bool:
