@@ -130,3 +130,14 @@ def test_double_backward_is_refused_not_wrong(small_on_onednn):
 def test_onednn_linear_checks_its_argument():
     with pytest.raises(TypeError, match="enabled"), onednn_linear(0):
         pass
+
+
+def test_package_exports_the_switch_without_shadowing_the_module():
+    """``qkv.ops.onednn_linear`` is the switch; ``qkv.ops.fast_linear`` stays the module
+    (re-exporting the function once shadowed it and broke ``import ... as``)."""
+    import inspect
+
+    import qkv.ops
+
+    assert qkv.ops.onednn_linear is onednn_linear
+    assert inspect.ismodule(qkv.ops.fast_linear) and qkv.ops.fast_linear is il
