@@ -8,6 +8,7 @@ subprocess as the peak resident memory during the call above the resident memory
 from __future__ import annotations
 
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -30,10 +31,20 @@ def median_time(fn: Callable[[], object], repeat: int = 3, warmup: int = 1) -> f
     return statistics.median(times)
 
 
-def side_by_side(fns: dict[str, Callable[[], object]], warmup: int, repeats: int
-                 ) -> dict[str, float]:
-    """Median seconds per call of each function, timed alternately in one loop (the order
-    flips every repeat), so that a machine's drift hits every contender alike."""
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+"""``--clock`` choices: wall time, or this process's CPU time (all its threads together; on a
+machine shared with other jobs, a 1-thread run's CPU time measures its own work, not the
+time spent waiting for a core)."""
+
+
+def alternate_times(fns: dict[str, Callable[[], object]], warmup: int, repeats: int,
+                    clock: str = "wall") -> dict[str, list[float]]:
+    """Seconds (by ``CLOCKS[clock]``) of every timed call of each function, timed alternately
+    in one loop (the order flips every repeat), so that a machine's drift hits every
+    contender alike; ``warmup`` untimed rounds first."""
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
+    now = CLOCKS[clock]
     names = list(fns)
     for _ in range(warmup):
         for name in names:
@@ -41,10 +52,26 @@ def side_by_side(fns: dict[str, Callable[[], object]], warmup: int, repeats: int
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeats):
         for name in names if r % 2 == 0 else names[::-1]:
-            t0 = time.perf_counter()
+            t0 = now()
             fns[name]()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            times[name].append(now() - t0)
+    return times
+
+
+def side_by_side(fns: dict[str, Callable[[], object]], warmup: int, repeats: int,
+                 clock: str = "wall") -> dict[str, float]:
+    """Median seconds per call of each function (``alternate_times``)."""
+    return {name: statistics.median(ts)
+            for name, ts in alternate_times(fns, warmup, repeats, clock).items()}
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load averages, e.g. "1.02, 0.87, 0.60" (other processes skew wall
+    times), or "unknown"."""
+    try:
+        return ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return "unknown"
 
 
 def rss_peak_mib() -> float:

@@ -35,11 +35,10 @@ import shlex
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
-from benchmarks._harness import print_table
+from benchmarks._harness import load_average, print_table, side_by_side
 from qkv import generate
 from qkv.generation.fast_gpt import packing_works
 from qkv.models import GPT
@@ -96,30 +95,6 @@ def matmuls_alone(model: GPT, batch: int, tokens: int, layout: str = "mm"):
     return run
 
 
-def _alternate(fns: dict, warmup: int, repeats: int, clock) -> dict[str, float]:
-    """Median seconds per call of each function by ``clock``, timed alternately in one loop
-    (the order flips every repeat), so that the machine's drift hits every contender alike."""
-    names = list(fns)
-    for _ in range(warmup):
-        for name in names:
-            fns[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            t0 = clock()
-            fns[name]()
-            times[name].append(clock() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
-def _load() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "n/a"
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, one timed run")
@@ -151,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 CPU; B={b} "
           f"N={n} ({'unpadded' if args.no_padding else 'left-padded'}) T={t} C={args.dim} "
           f"L={args.layers} H={args.heads} V={args.vocab}, greedy, {args.clock} clock; load "
-          f"average {_load()}")
+          f"average {load_average()}")
 
     hf, model = build(args)
     torch.manual_seed(1)
@@ -179,11 +154,10 @@ def main(argv: list[str] | None = None) -> None:
            "matmuls alone: mm(x, W_t)": matmuls_alone(model, b, t, "mm")}
     if packing_works():
         fns["matmuls alone: oneDNN packed"] = matmuls_alone(model, b, t, "onednn")
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    rows, ratios, floors, loads = [], [], [], [_load()]
+    rows, ratios, floors, loads = [], [], [], [load_average()]
     for r in range(args.rounds):
-        times = _alternate(fns, args.warmup, args.repeats, clock)
-        loads.append(_load())
+        times = side_by_side(fns, args.warmup, args.repeats, args.clock)
+        loads.append(load_average())
         hf_t, qkv_t = times["HF GPT2LMHeadModel.generate"], times["qkv.generate"]
         floor = min((n for n in times if n.startswith("matmuls alone")), key=times.__getitem__)
         ratios.append(hf_t / qkv_t)

@@ -37,14 +37,12 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
-from benchmarks._harness import print_table, side_by_side
+from benchmarks._harness import load_average, print_table, side_by_side
 from qkv.models import CLIP
 from qkv.ops.fast_linear import onednn_linear, onednn_linear_active
 
@@ -104,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     print("command: python -m benchmarks.bench_clip " + shlex.join(sys.argv[1:] if argv is None
                                                                    else argv))
-    print(f"load average {_load()}")
+    print(f"load average {load_average()}")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, B={args.batch}, "
           f"image {args.image}px patch {args.patch} (T={1 + (args.image // args.patch) ** 2}), "
           f"text N={args.text_len}, C={args.dim}, L={args.layers}, heads={args.heads}")
@@ -144,8 +142,8 @@ def _run(args) -> None:
         opt_q.step()
         ours.clamp_logit_scale_()
 
-    timer = side_by_side if args.clock == "wall" else _side_by_side_cpu
-    train = timer({"HF CLIPModel": step_hf, "qkv CLIP": step_qkv}, args.warmup, args.repeats)
+    train = side_by_side({"HF CLIPModel": step_hf, "qkv CLIP": step_qkv}, args.warmup,
+                         args.repeats, args.clock)
     hf.eval()
     ours.eval()
 
@@ -157,7 +155,8 @@ def _run(args) -> None:
         with torch.inference_mode():
             ours.encode_image(px)
 
-    enc = timer({"HF CLIPModel": enc_hf, "qkv CLIP": enc_qkv}, args.warmup, 3 * args.repeats)
+    enc = side_by_side({"HF CLIPModel": enc_hf, "qkv CLIP": enc_qkv}, args.warmup,
+                       3 * args.repeats, args.clock)
     rows = []
     for name in ("HF CLIPModel", "qkv CLIP"):
         rows.append([name, f"{train[name] * 1e3:.0f}",
@@ -167,32 +166,8 @@ def _run(args) -> None:
                 f"time)",
                 ["model", "train step (ms)", "speed vs HF", "encode_image (img/s)",
                  "speed vs HF"], rows)
-    print(f"\nload average at the end {_load()} (1, 5, 15 min; the machine's cores: "
+    print(f"\nload average at the end {load_average()} (1, 5, 15 min; the machine's cores: "
           f"{os.cpu_count()})")
-
-
-def _side_by_side_cpu(fns, warmup: int, repeats: int) -> dict[str, float]:
-    """``side_by_side`` (alternating, the order flipped every round, medians) timed with
-    this process's CPU time (``time.process_time``, all its threads together)."""
-    names = list(fns)
-    for _ in range(warmup):
-        for name in names:
-            fns[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            t0 = time.process_time()
-            fns[name]()
-            times[name].append(time.process_time() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
-def _load() -> str:
-    """The 1/5/15-minute load averages (other processes skew wall times)."""
-    try:
-        return ", ".join(f"{v:.2f}" for v in os.getloadavg())
-    except OSError:
-        return "unknown"
 
 
 if __name__ == "__main__":

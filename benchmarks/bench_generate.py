@@ -42,11 +42,10 @@ import shlex
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
-from benchmarks._harness import print_table
+from benchmarks._harness import alternate_times, load_average, print_table
 from qkv import generate
 from qkv.models import GPT
 
@@ -123,32 +122,6 @@ def decode_only(model: GPT, ids: torch.Tensor, tokens: int):
     return run
 
 
-def _alternate(fns: dict, warmup: int, repeats: int, clock=time.perf_counter
-               ) -> dict[str, list[float]]:
-    """Seconds (by ``clock``) of every call of each function, timed alternately in one loop
-    (the order flips every repeat), so that the machine's drift hits every contender
-    alike."""
-    names = list(fns)
-    for _ in range(warmup):
-        for name in names:
-            fns[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            t0 = clock()
-            fns[name]()
-            times[name].append(clock() - t0)
-    return times
-
-
-def _load() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "n/a"
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, one timed run")
@@ -179,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
           + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)))
     print(f"torch {torch.__version__}, fp32 CPU; B=1 N={args.prompt} T={args.tokens} "
           f"C={args.dim} L={args.layers} H={args.heads} V={args.vocab}, greedy; {args.clock} "
-          f"clock; load average at start {_load()}")
+          f"clock; load average at start {load_average()}")
 
     hf, model = build(args)
     torch.manual_seed(1)
@@ -204,18 +177,17 @@ def main(argv: list[str] | None = None) -> None:
            "qkv decode step alone (no search loop)": decode_only(model, ids, t)}
     for layout in layouts:
         fns[f"floor: {layout}"] = weight_reads(model, t, layout)
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     rows, summary = [], []
     for threads in args.threads:
         if threads:
             torch.set_num_threads(threads)
         per: dict[str, list[float]] = {name: [] for name in fns}
-        loads = [_load()]
+        loads = [load_average()]
         for _ in range(args.rounds):
-            times = _alternate(fns, args.warmup, args.repeats, clock)
+            times = alternate_times(fns, args.warmup, args.repeats, args.clock)
             for name, ts in times.items():
                 per[name] += ts
-            loads.append(_load())
+            loads.append(load_average())
         med = {name: statistics.median(ts) for name, ts in per.items()}
         best = {name: min(ts) for name, ts in per.items()}
         floor = min((n for n in fns if n.startswith("floor: ")), key=med.__getitem__)

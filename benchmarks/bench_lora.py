@@ -29,14 +29,13 @@ import copy
 import json
 import os
 import shlex
-import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 
 from benchmarks._harness import (
+    load_average,
     peak_growth_in_subprocess,
     peak_growth_mib,
     print_table,
@@ -128,27 +127,6 @@ def measure(case: str, args) -> dict:
             "trainable": count_parameters(model)[0]}
 
 
-def side_by_side_cpu(fns: dict[str, Callable[[], object]], warmup: int, repeats: int
-                     ) -> dict[str, float]:
-    """``side_by_side`` (alternating, the order flipped every round, medians) timed with
-    this process's CPU time (``time.process_time``, all its threads together)."""
-    names = list(fns)
-    for _ in range(warmup):
-        for name in names:
-            fns[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            t0 = time.process_time()
-            fns[name]()
-            times[name].append(time.process_time() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
-def _load() -> str:
-    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def size_args(args) -> list[str]:
     return [f"--{k}={getattr(args, k)}" for k in ("batch", "seq", "dim", "layers", "heads",
                                                   "vocab", "rank", "threads")]
@@ -184,8 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 CPU; "
           f"B={args.batch} T={args.seq} C={args.dim} L={args.layers} H={args.heads} "
           f"V={args.vocab}, r={args.rank}, alpha={2 * args.rank}; {args.clock} clock; "
-          f"load average {_load()} (1, 5, 15 min; {os.cpu_count()} cores)")
-    timer = side_by_side if args.clock == "wall" else side_by_side_cpu
+          f"load average {load_average()} (1, 5, 15 min; {os.cpu_count()} cores)")
 
     # 1. training step, side by side
     torch.manual_seed(1)
@@ -197,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         counts[case] = count_parameters(model)
     first = {name: fn() for name, fn in fns.items()}  # B = 0: every LoRA starts at the base
     print("first-step losses: " + ", ".join(f"{k} {v:.6f}" for k, v in first.items()))
-    times = timer(fns, args.warmup, args.repeats)
+    times = side_by_side(fns, args.warmup, args.repeats, args.clock)
     ref = times["hf-peft-lora"]
     tokens = args.batch * args.seq
     rows = [[name, f"{counts[name][0]:,}", f"{t * 1e3:.0f}", f"{tokens / t:.0f}",
@@ -241,14 +218,14 @@ def main(argv: list[str] | None = None) -> None:
         return run
 
     repeats = 3 * args.repeats  # a forward is cheap: more rounds against the noise
-    inf = timer({"base": forward(base), "LoRA merged": forward(merged),
-                 "LoRA unmerged": forward(unmerged)}, args.warmup, repeats)
+    inf = side_by_side({"base": forward(base), "LoRA merged": forward(merged),
+                        "LoRA unmerged": forward(unmerged)}, args.warmup, repeats, args.clock)
     rows = [[name, f"{t * 1e3:.1f}", f"{t / inf['base']:.3f}",
              f"{100 * (t / inf['base'] - 1):+.1f}%"] for name, t in inf.items()]
     print_table(f"Inference forward (eval, no grad), B={args.batch} T={args.seq}, median of "
                 f"{repeats}, {args.clock} time",
                 ["model", "ms/forward", "time vs base", "overhead"], rows)
-    print(f"\nload average at the end {_load()}")
+    print(f"\nload average at the end {load_average()}")
 
 
 if __name__ == "__main__":
