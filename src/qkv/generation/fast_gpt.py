@@ -332,18 +332,7 @@ class FastGPTStepper:
         t = self.length  # cache slot of the new token
         self.length = s = t + 1
         rows, hk, g, d = self.rows, self.kv_heads, self.group, self.head_dim
-        x = self.embed.index_select(0, tokens)  # (R, C)
-        rope_pos = None
-        if self.real is None:  # every row at position t (positions were checked by generate)
-            if self.rope is not None:
-                rope_pos = torch.tensor([t], device=tokens.device)
-            if self.pos_table is not None:
-                x += self.pos_table[t]
-        else:
-            pos = self.real + (t - self.ids.shape[1])  # (R,)
-            rope_pos = pos[:, None] if self.rope is not None else None
-            if self.pos_table is not None:
-                x += self.pos_table.index_select(0, pos)
+        x, rope_pos = self._embed(tokens, t)  # (R, C)
         bias = self.bias if self.beta == 0.0 else self.bias[:, :, :s]  # (R·Hkv, 1, S)
         width, beta, scale, act = self.width, self.beta, self.scale, self.act
         layer_norm, addmm, mm, baddbmm, bmm = (torch.layer_norm, torch.addmm, torch.mm,
