@@ -33,7 +33,7 @@ browser:
 
 test: $(STAMP) browser
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
 
 test-fast: $(STAMP) browser
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow"
