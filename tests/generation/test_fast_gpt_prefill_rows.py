@@ -1,0 +1,188 @@
+"""The batched fast prefill on token rows (``qkv.generation.fast_gpt.prefill_rows``: a
+left-padded batch runs its real tokens only) against oracles written apart from it: the
+model's own padded prefill (``GPT.hidden_states`` / ``GPT.forward`` over all N positions with
+the same caches), the fp64 copy of the model's uncached forward, the generic stepper
+(``GPTStepper``) and ``use_cache=False`` greedy decoding; learned positions, RoPE with GQA,
+unpacked (< 4 rows) and packed (>= 4 rows) steps.
+
+Shapes: R rows, N prompt length, T new tokens, V vocab size, C width.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import qkv
+from qkv.generation import fast_gpt
+from qkv.generation.fast_gpt import FastGPTStepper, prefill_rows
+from qkv.generation.search import greedy_or_sample
+from qkv.generation.steppers import GPTStepper
+from qkv.models import GPT, GPTConfig
+
+# the rows prefill runs the same fp32 ops on fewer rows; the padded prefill's sums may be
+# ordered otherwise (other GEMM shapes): logits O(1-10) agree far below this
+TIGHT = dict(atol=1e-5, rtol=1e-5)
+# fp32 vs the fp64 forward
+F32 = dict(atol=2e-4, rtol=2e-5)
+
+VARIANTS = [dict(), dict(positions="rope", num_kv_heads=2), dict(num_kv_heads=1, bias=False),
+            dict(num_layers=1, activation="relu"), dict(num_layers=3, positions="rope")]
+VARIANT_IDS = ["learned", "rope-gqa", "mqa-nobias", "1-layer-relu", "3-layer-rope"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _gpt(**kw) -> GPT:
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=48, max_len=64, dim=32, num_layers=2, num_heads=4)
+    cfg.update(kw)
+    model = GPT(GPTConfig(**cfg))
+    torch.manual_seed(1)
+    with torch.no_grad():  # weights large enough that every part matters
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    return model.eval()
+
+
+def _prompts(rows: int = 6, n: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, n) left-padded prompts with 1..n real tokens (pad id 0), and their mask."""
+    torch.manual_seed(2)
+    ids = torch.randint(3, 48, (rows, n))
+    keep = torch.ones(rows, n, dtype=torch.bool)
+    for r in range(rows):
+        keep[r, :(3 * r + 1) % n] = False
+    return ids * keep, keep
+
+
+@pytest.mark.parametrize("kw", VARIANTS, ids=VARIANT_IDS)
+def test_prefill_rows_equals_padded_prefill_and_fills_the_same_caches(kw):
+    """Last-position hidden states == ``hidden_states`` over all N padded positions (1e-5);
+    the caches hold the same keys/values at the real positions and zeros at the padded
+    ones, with length N."""
+    model = _gpt(**kw)
+    ids, keep = _prompts()
+    with torch.inference_mode():
+        padded, rows = model.new_cache(6, 10), model.new_cache(6, 10)
+        want, _ = model.hidden_states(ids, attention_mask=keep, cache=padded)
+        got = prefill_rows(model, ids, keep, rows)
+    torch.testing.assert_close(got, want[:, -1], **TIGHT)
+    real = keep[:, None, :, None]  # (R, 1, N, 1)
+    for p, r in zip(padded, rows, strict=True):
+        assert r.length == p.length == ids.shape[1]
+        for a, b in ((p.keys, r.keys), (p.values, r.values)):
+            torch.testing.assert_close(b[:, :, :7] * real, a[:, :, :7] * real, **TIGHT)
+            assert not bool((b[:, :, :7] * ~real).any())  # padded slots: zeros
+
+
+@pytest.mark.parametrize("kw", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("batch", [3, 6], ids=["unpacked", "packed"])
+def test_stepper_prefill_uses_rows_and_matches_fp64(kw, batch, monkeypatch):
+    """``FastGPTStepper.prefill`` of a padded batch goes through ``prefill_rows``; its logits
+    and the next 4 steps' == the fp64 uncached forward, and the prefill logits == the
+    padded forward's (1e-5)."""
+    monkeypatch.setattr(fast_gpt, "PACKED_MIN_WEIGHTS", 1)
+    monkeypatch.setattr("qkv.ops.fast_linear.MIN_ROWS", 4)
+    calls = []
+    real_fn = fast_gpt.prefill_rows
+    monkeypatch.setattr(fast_gpt, "prefill_rows",
+                        lambda *a: calls.append(1) or real_fn(*a))
+    model = _gpt(**kw)
+    ids, keep = _prompts(rows=batch)
+    torch.manual_seed(3)
+    new = torch.randint(3, 48, (batch, 4))
+    with torch.inference_mode():
+        stepper = FastGPTStepper(model, ids, keep, new.shape[1])
+        assert stepper.packed == (batch >= 4 and fast_gpt.packing_works())
+        got = [stepper.prefill()] + [stepper.step(new[:, i]) for i in range(new.shape[1])]
+        assert calls == [1]
+        padded = model(ids, attention_mask=keep)[:, -1]
+        full = torch.cat((ids, new), dim=1)
+        mask = torch.cat((keep, torch.ones_like(new, dtype=torch.bool)), dim=1)
+        want = copy.deepcopy(model).double()(full, attention_mask=mask)[:, ids.shape[1] - 1:]
+    torch.testing.assert_close(got[0], padded, **TIGHT)
+    torch.testing.assert_close(torch.stack(got, dim=1).double(), want, **F32)
+
+
+@pytest.mark.parametrize("kw", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("batch", [4, 6])
+def test_greedy_tokens_equal_generic_stepper_and_uncached(kw, batch):
+    """Greedy tokens through ``generate`` (rows prefill) == the generic stepper's (the
+    model's modules, padded prefill) == the uncached recomputation; batch >= 4, left-padded."""
+    model = _gpt(**kw)
+    ids, keep = _prompts(rows=batch)
+    out = qkv.generate(model, ids, attention_mask=keep, max_new_tokens=10)
+    with torch.inference_mode():
+        generic = GPTStepper(model, ids, keep, 10, use_cache=True)
+        slow = greedy_or_sample(generic, batch, 10, do_sample=False, temperature=1.0,
+                                top_k=None, top_p=None, eos=None, pad=0, generator=None,
+                                device=ids.device)
+    assert torch.equal(out[:, ids.shape[1]:], slow)
+    assert torch.equal(out, qkv.generate(model, ids, attention_mask=keep, max_new_tokens=10,
+                                         use_cache=False))
+
+
+def test_unpadded_or_with_grad_keeps_the_padded_prefill(monkeypatch):
+    """No padding, or gradients enabled: ``prefill`` stays on ``GPT.hidden_states``."""
+    monkeypatch.setattr(fast_gpt, "prefill_rows", lambda *a: pytest.fail("rows path taken"))
+    model = _gpt()
+    ids, keep = _prompts(rows=4)
+    with torch.inference_mode():
+        got = FastGPTStepper(model, ids, None, 2).prefill()
+        torch.testing.assert_close(got, model(ids)[:, -1], **TIGHT)
+    model.requires_grad_(False)  # grad mode on, nothing to differentiate: caches accept it
+    with torch.no_grad():
+        stepper = FastGPTStepper(model, ids, keep, 2)
+        want = model(ids, attention_mask=keep)[:, -1]
+    with torch.enable_grad():
+        got = stepper.prefill()
+    torch.testing.assert_close(got, want, **TIGHT)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(positions="rope", num_kv_heads=2)],
+                         ids=["learned", "rope-gqa"])
+def test_hooked_last_layer_falls_back_to_forward_rows(kw):
+    """A hook on the last layer's attention (not ``rows_are_direct``): the last layer runs
+    ``forward_rows`` on every row (which calls the modules, hook included); same result."""
+    model = _gpt(**kw)
+    seen = []
+    model.layers[-1].attn.register_forward_hook(lambda *a: seen.append(1))
+    ids, keep = _prompts()
+    with torch.inference_mode():
+        want, _ = model.hidden_states(ids, attention_mask=keep, cache=model.new_cache(6, 8))
+        seen.clear()
+        got = prefill_rows(model, ids, keep, model.new_cache(6, 8))
+    assert seen == [1]
+    torch.testing.assert_close(got, want[:, -1], **TIGHT)
+
+
+def test_prefill_rows_rejects_right_padding_and_bad_ids():
+    model = _gpt()
+    ids, keep = _prompts(rows=4)
+    with torch.inference_mode(), pytest.raises(ValueError, match="left-padded"):
+        prefill_rows(model, ids, keep.flip(1), model.new_cache(4, 8))
+    with torch.inference_mode(), pytest.raises(ValueError, match="vocab_size"):
+        prefill_rows(model, ids + 48, keep, model.new_cache(4, 8))
+
+
+def test_hooks_on_a_layer_fire_in_the_fast_prefill():
+    """A forward hook on a GPT layer: calling ``forward_rows`` would bypass it, so the padded
+    fast prefill takes ``GPT.hidden_states`` (the hook fires once per layer call) and the
+    tokens are unchanged."""
+    model = _gpt()
+    ids, keep = _prompts(rows=6)
+    want = qkv.generate(model, ids, attention_mask=keep, max_new_tokens=4)
+    calls = []
+    model.layers[0].register_forward_hook(lambda *a: calls.append(a[1][0].shape[:2]))
+    got = qkv.generate(model, ids, attention_mask=keep, max_new_tokens=4)
+    assert calls and calls[0] == ids.shape  # the prefill called the layer on (R, N)
+    assert torch.equal(got, want)
