@@ -186,3 +186,20 @@ def test_hooks_on_a_layer_fire_in_the_fast_prefill():
     got = qkv.generate(model, ids, attention_mask=keep, max_new_tokens=4)
     assert calls and calls[0] == ids.shape  # the prefill called the layer on (R, N)
     assert torch.equal(got, want)
+
+
+def test_a_hooked_model_decodes_on_the_generic_path_with_its_hooks():
+    """The lean steps call no module: a model with a hook anywhere is not ``eligible`` (the
+    generic stepper calls the modules, so the hook runs at every step); same tokens."""
+    model = _gpt()
+    ids, keep = _prompts(rows=6)
+    assert fast_gpt.eligible(model)
+    want = qkv.generate(model, ids, attention_mask=keep, max_new_tokens=4)
+    calls = []
+    handle = model.layers[-1].ffn.fc_out.register_forward_hook(lambda *a: calls.append(1))
+    assert not fast_gpt.eligible(model)
+    got = qkv.generate(model, ids, attention_mask=keep, max_new_tokens=4)
+    assert torch.equal(got, want)
+    assert len(calls) >= 4  # the prefill and every decode step called the hooked module
+    handle.remove()
+    assert fast_gpt.eligible(model)

@@ -95,9 +95,10 @@ def plain_gpt(model: object, *, linear: type, dtypes: tuple[torch.dtype, ...]) -
     """True when ``model`` is a ``GPT`` of plain parts (pre-norm ``EncoderLayer``s, LayerNorm,
     a fused-QKV ``MultiHeadAttention`` on sdpa/auto, ``FeedForward``, no unknown config
     variant, no active dropout), embeddings of one of ``dtypes``, and every projection of
-    exactly type ``linear`` — what a lean decode step (this module's, ``fast_int8``'s) may
-    reproduce instead of calling the modules."""
-    if type(model) is not GPT:
+    exactly type ``linear``, and no hooks on any of its modules (nor global ones: a lean step
+    calls no module, so a hook would silently not run) — what a lean decode step (this
+    module's, ``fast_int8``'s) may reproduce instead of calling the modules."""
+    if type(model) is not GPT or any(has_hooks(m) for m in model.modules()):
         return False
     c = model.config
     for f in dataclasses.fields(GPTConfig):
