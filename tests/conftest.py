@@ -170,3 +170,20 @@ def assert_close_to(actual: Tensor, expected: Tensor, *, atol: float, rtol: floa
 def max_err(actual: Tensor, expected: Tensor) -> float:
     """Max |actual - expected| in fp64."""
     return (actual.double() - expected.double()).abs().max().item()
+
+
+# ------------------------------------------------------------------------- oneDNN linears
+
+@pytest.fixture
+def onednn_calls(monkeypatch):
+    """Small shapes take ``qkv.ops.fast_linear``'s oneDNN path too (its size thresholds are
+    set to 1); returns the list that counts oneDNN matmuls, so a test can tell the path ran.
+    Tests using it should skip when ``onednn_linear_active()`` is False."""
+    import qkv.ops.fast_linear as fl
+
+    monkeypatch.setattr(fl, "MIN_ROWS", 1)
+    monkeypatch.setattr(fl, "MIN_MACS", 1)
+    calls: list[int] = []
+    real = fl.onednn_op()
+    monkeypatch.setitem(fl._checked, "op", lambda *a: calls.append(1) or real(*a))
+    return calls

@@ -15,12 +15,12 @@ import copy
 
 import pytest
 import torch
+from _fast_gpt_models import left_padded, tiny_gpt
 
 import qkv
 from qkv.generation import attention_kernel, fast_gpt
 from qkv.generation.fast_gpt import FastGPTStepper
 from qkv.generation.steppers import GPTStepper
-from qkv.models import GPT, GPTConfig
 from qkv.ops.fast_linear import onednn_linear, onednn_linear_active
 
 pytestmark = pytest.mark.skipif(not fast_gpt.packing_works(),
@@ -53,27 +53,12 @@ def attn(request, monkeypatch):
     return False
 
 
-def _gpt(**kw) -> GPT:
-    torch.manual_seed(0)
-    cfg = dict(vocab_size=48, max_len=64, dim=32, num_layers=2, num_heads=4)
-    cfg.update(kw)
-    model = GPT(GPTConfig(**cfg))
-    torch.manual_seed(1)
-    with torch.no_grad():  # weights large enough that every part matters
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.3)
-    return model.eval()
+_gpt = tiny_gpt
 
 
 def _prompts(rows: int = 6, n: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, n) left-padded prompts with 1..n real tokens, and their bool mask."""
-    torch.manual_seed(2)
-    ids = torch.randint(3, 48, (rows, n))
-    keep = torch.ones(rows, n, dtype=torch.bool)
-    for r in range(rows):
-        keep[r, :(3 * r) % n] = False
-    return ids * keep, keep
+    """(rows, n) left-padded prompts (``left_padded``, shift 0) and their mask."""
+    return left_padded(rows, n, shift=0)
 
 
 VARIANTS = [dict(), dict(activation="gelu"), dict(activation="silu"),

@@ -14,13 +14,13 @@ import copy
 
 import pytest
 import torch
+from _fast_gpt_models import left_padded, tiny_gpt
 
 import qkv
 from qkv.generation import fast_gpt
 from qkv.generation.fast_gpt import FastGPTStepper, prefill_rows
 from qkv.generation.search import greedy_or_sample
 from qkv.generation.steppers import GPTStepper
-from qkv.models import GPT, GPTConfig
 
 # the rows prefill runs the same fp32 ops on fewer rows; the padded prefill's sums may be
 # ordered otherwise (other GEMM shapes): logits O(1-10) agree far below this
@@ -41,27 +41,12 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _gpt(**kw) -> GPT:
-    torch.manual_seed(0)
-    cfg = dict(vocab_size=48, max_len=64, dim=32, num_layers=2, num_heads=4)
-    cfg.update(kw)
-    model = GPT(GPTConfig(**cfg))
-    torch.manual_seed(1)
-    with torch.no_grad():  # weights large enough that every part matters
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.3)
-    return model.eval()
+_gpt = tiny_gpt
 
 
 def _prompts(rows: int = 6, n: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, n) left-padded prompts with 1..n real tokens (pad id 0), and their mask."""
-    torch.manual_seed(2)
-    ids = torch.randint(3, 48, (rows, n))
-    keep = torch.ones(rows, n, dtype=torch.bool)
-    for r in range(rows):
-        keep[r, :(3 * r + 1) % n] = False
-    return ids * keep, keep
+    """(rows, n) left-padded prompts (``left_padded``, shift 1) and their mask."""
+    return left_padded(rows, n, shift=1)
 
 
 @pytest.mark.parametrize("kw", VARIANTS, ids=VARIANT_IDS)

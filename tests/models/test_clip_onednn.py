@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import qkv.ops.fast_linear as fl
 from qkv.models import CLIP
 from qkv.ops.fast_linear import onednn_linear, onednn_linear_active
 
@@ -22,17 +21,6 @@ pytestmark = pytest.mark.skipif(not onednn_linear_active(),
                                 reason="this torch build has no working oneDNN linear")
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 V = 60
-
-
-@pytest.fixture
-def onednn_calls(monkeypatch):
-    """Small shapes take the oneDNN path; returns the list that counts oneDNN matmuls."""
-    monkeypatch.setattr(fl, "MIN_ROWS", 1)
-    monkeypatch.setattr(fl, "MIN_MACS", 1)
-    calls: list[int] = []
-    real = fl.onednn_op()
-    monkeypatch.setitem(fl._checked, "op", lambda *a: calls.append(1) or real(*a))
-    return calls
 
 
 @pytest.fixture(scope="module")

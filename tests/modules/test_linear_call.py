@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import qkv.ops.fast_linear as fl
 from qkv.modules.attention import MultiHeadAttention, project_rows
 from qkv.modules.feedforward import FeedForward, SwiGLU
 from qkv.modules.layers import EncoderLayer, TokenRows
@@ -27,17 +26,6 @@ TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 pytestmark = pytest.mark.skipif(not onednn_linear_active(),
                                 reason="this torch build has no working oneDNN linear")
-
-
-@pytest.fixture
-def onednn_calls(monkeypatch):
-    """Small shapes take the oneDNN path; returns the list that counts oneDNN matmuls."""
-    monkeypatch.setattr(fl, "MIN_ROWS", 1)
-    monkeypatch.setattr(fl, "MIN_MACS", 1)
-    calls: list[int] = []
-    real = fl.onednn_op()
-    monkeypatch.setitem(fl._checked, "op", lambda *a: calls.append(1) or real(*a))
-    return calls
 
 
 def _x(*shape, seed=0, grad=False):
