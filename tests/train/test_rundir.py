@@ -152,11 +152,20 @@ def test_every_torchrun_rank_stops_when_the_lock_is_refused(tmp_path):
 
     run = tmp_path / "run"
     run.mkdir()
+    # collectives bounded at 60 s (default 600), under the 240-s limit here: a rank left
+    # waiting shows as an error exit with its stderr, not as a test timeout (one CI run of
+    # 2026-12-01 hit the 240 s once, without output; not reproduced in 26 runs since)
+    env = {**ENV, "QKV_DIST_TIMEOUT": "60"}
     with RunDirLock(run):
-        two = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-             "--master-port", str(free_port()), "-m", "qkv.cli", "train", *TINY, "--steps",
-             "2", "--out", str(run)], capture_output=True, text=True, env=ENV, timeout=240)
+        try:
+            two = subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                 "--master-port", str(free_port()), "-m", "qkv.cli", "train", *TINY,
+                 "--steps", "2", "--out", str(run)], capture_output=True, text=True, env=env,
+                timeout=240)
+        except subprocess.TimeoutExpired as err:
+            pytest.fail(f"torchrun still running after 240 s; its stderr so far:\n"
+                        f"{(err.stderr or b'')[-4000:]!r}")
     assert two.returncode != 0
     # each rank printed its one-line refusal (neither waited at a collective); torchrun's
     # launcher then prints its own summary, and may stop the slower rank itself
