@@ -154,7 +154,7 @@ def test_every_torchrun_rank_stops_when_the_lock_is_refused(tmp_path):
     run.mkdir()
     # collectives bounded at 60 s (default 600), under the 240-s limit here: a rank left
     # waiting shows as an error exit with its stderr, not as a test timeout (one CI run of
-    # 2026-12-01 hit the 240 s once, without output; not reproduced in 26 runs since)
+    # 2026-12-01 hit the 240 s once, without output; not reproduced in 15 runs since)
     env = {**ENV, "QKV_DIST_TIMEOUT": "60"}
     with RunDirLock(run):
         try:
