@@ -15,7 +15,7 @@ torch's — scores = q·k · scale + bias, softmax as exp(x - max) / sum, then p
 summation order (|diff| ~1e-7 relative, fp32).
 
 Compiled on first use like ``int8_kernel`` (``cc -O3 -march=native``, cached per source,
-compiler and CPU flags; ``int8_kernel.build_shared``), loaded with ``ctypes``. Any failure
+compiler and CPU flags; ``c_kernels``), loaded with ``ctypes``. Any failure
 leaves ``load()`` returning None and the caller on the torch ops. ``QKV_ATTN_KERNEL=0`` turns
 it off. fp32 only; single-threaded (the caller uses it when torch runs on one thread).
 """
@@ -23,13 +23,9 @@ it off. fp32 only; single-threaded (the caller uses it when torch runs on one th
 from __future__ import annotations
 
 import ctypes
-import os
-import platform
-import shutil
-import subprocess
 import threading
 
-from .int8_kernel import build_shared
+from .c_kernels import env_off, load_function
 
 __all__ = ["MAX_GROUP", "disabled", "load"]
 
@@ -117,7 +113,7 @@ int qkv_decode_attention(const float *q, int64_t qr, const float *k, const float
 
 def disabled() -> bool:
     """True when ``QKV_ATTN_KERNEL=0`` (or "false"/"off"/"no") turns the kernel off."""
-    return os.environ.get("QKV_ATTN_KERNEL", "1").strip().lower() in ("0", "false", "off", "no")
+    return env_off("QKV_ATTN_KERNEL")
 
 
 def load():
@@ -128,16 +124,8 @@ def load():
         return None
     with _lock:
         if "fn" not in _state:
-            _state["fn"] = None
-            compiler = shutil.which("cc") or shutil.which("gcc")
-            if compiler is not None and platform.system() == "Linux":
-                try:
-                    lib = ctypes.CDLL(str(build_shared(SOURCE, "decode-attention", compiler)))
-                    fn = lib.qkv_decode_attention
-                    p, i = ctypes.c_void_p, ctypes.c_int64
-                    fn.argtypes = [p, i, p, p, i, i, i, i, i, i, p, i, ctypes.c_float, p, p]
-                    fn.restype = ctypes.c_int
-                    _state["fn"] = fn
-                except (OSError, subprocess.SubprocessError, AttributeError):
-                    _state["fn"] = None
+            p, i = ctypes.c_void_p, ctypes.c_int64
+            _state["fn"] = load_function(
+                SOURCE, "decode-attention", "qkv_decode_attention",
+                [p, i, p, p, i, i, i, i, i, i, p, i, ctypes.c_float, p, p])
         return _state["fn"]

@@ -4,11 +4,8 @@ the epilogue ``acc·(a·s/127) + b`` (+ a residual), where the plain path runs ~
 
 Shapes: M rows, K input features, N output features.
 
-The C source below is compiled on first use with the system's C compiler (``cc``, else
-``gcc``; ``-O3 -march=native``, about one second) into a cache directory
-(``$QKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/qkv``, else ``~/.cache/qkv``), keyed by a hash of
-the source, the flags, the compiler's version and the CPU's flags, written atomically, and
-loaded with ``ctypes`` (no torch headers, no Python extension build). With AVX-512 VNNI it
+The C source below is compiled on first use (about one second) and loaded by
+``qkv.generation.c_kernels``. With AVX-512 VNNI it
 uses ``vpdpbusd`` on |xq| and the weight with xq's signs (exact: |xq|, |Wq| ≤ 127); elsewhere
 plain C loops. The math is ``qkv.modules.quantized.int8_linear``'s, operation for operation
 (the same rounding of ``127·x/a``, the int32 sum is exact, the same fp32 epilogue), so the
@@ -21,18 +18,12 @@ the caller on the plain torch path. ``QKV_INT8_KERNEL=0`` turns it off.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
-from pathlib import Path
+
+from .c_kernels import env_off, load_function
 
 __all__ = ["disabled", "load"]
 
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "fn": the loaded function or None once tried
 
@@ -171,52 +162,7 @@ int qkv_int8_vnni(void) {
 
 def disabled() -> bool:
     """True when ``QKV_INT8_KERNEL=0`` (or "false"/"off") turns the fused kernel off."""
-    return os.environ.get("QKV_INT8_KERNEL", "1").strip().lower() in ("0", "false", "off", "no")
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("QKV_CACHE_DIR")
-    if root:
-        return Path(root)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "qkv"
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def build_shared(source: str, stem: str, compiler: str) -> Path:
-    """Compile C ``source`` with ``compiler`` (``-O3 -march=native``, shared) into the cache
-    directory as ``{stem}-{hash}.so`` (hash of the source, flags, compiler version and CPU
-    flags), unless it is already there; written atomically. Raises ``OSError`` /
-    ``subprocess.SubprocessError`` on failure."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             timeout=30).stdout
-    key = hashlib.sha256("\0".join([source, *_FLAGS, version, _cpu_flags(),
-                                     platform.machine()]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"{stem}-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        src = Path(tmp) / f"{stem}.c"
-        src.write_text(source)
-        lib = Path(tmp) / out.name
-        subprocess.run([compiler, *_FLAGS, "-o", str(lib), str(src), "-lm"], check=True,
-                       capture_output=True, timeout=120)
-        os.replace(lib, out)  # atomic: a reader sees no half-written library
-    return out
-
-
-def _build(compiler: str) -> Path:
-    return build_shared(SOURCE, "int8-linear", compiler)
+    return env_off("QKV_INT8_KERNEL")
 
 
 def load():
@@ -226,16 +172,7 @@ def load():
         return None
     with _lock:
         if "fn" not in _state:
-            _state["fn"] = None
-            compiler = shutil.which("cc") or shutil.which("gcc")
-            if compiler is not None and platform.system() == "Linux":
-                try:
-                    lib = ctypes.CDLL(str(_build(compiler)))
-                    fn = lib.qkv_int8_linear
-                    p, i = ctypes.c_void_p, ctypes.c_int64
-                    fn.argtypes = [p, i, i, p, i, p, p, p, p, p, p, p]
-                    fn.restype = ctypes.c_int
-                    _state["fn"] = fn
-                except (OSError, subprocess.SubprocessError, AttributeError):
-                    _state["fn"] = None
+            p, i = ctypes.c_void_p, ctypes.c_int64
+            _state["fn"] = load_function(SOURCE, "int8-linear", "qkv_int8_linear",
+                                         [p, i, i, p, i, p, p, p, p, p, p, p])
         return _state["fn"]
