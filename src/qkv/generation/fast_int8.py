@@ -161,8 +161,6 @@ class Int8GPTStepper:
         """Feed tokens (R,) at the next position; logits (R, V)."""
         t = self.length  # cache slot of the new token
         self.length = s = t + 1
-        rows, hd = self.rows, self.heads * self.head_dim
-        kvd = self.kv_heads * self.head_dim
         x = self.embed.index_select(0, tokens)  # (R, C)
         if self.real is None:  # every row at position t (positions were checked by generate)
             rope_pos = torch.tensor([t], device=tokens.device) if self.rope is not None else None
@@ -181,43 +179,41 @@ class Int8GPTStepper:
              q_proj, s_proj, b_proj), cache in zip(self.layers, self.cache, strict=True):
             h = F.layer_norm(x, width, w1, b1, e1)
             proj = int8_linear(h, q_in, s_in, b_in)  # (R, (H + 2·Hkv)·D)
-            q = proj[:, :hd].view(rows, self.heads, 1, self.head_dim)  # (R, H, 1, D)
-            k = proj[:, hd:hd + kvd].view(rows, self.kv_heads, 1, self.head_dim)
-            v = proj[:, hd + kvd:].view(rows, self.kv_heads, 1, self.head_dim)
-            if self.rope is not None:
-                q, k = self.rope.rotate(q, rope_pos), self.rope.rotate(k, rope_pos)
-            cache.keys[:, :, t:s] = k
-            cache.values[:, :, t:s] = v
-            a = F.scaled_dot_product_attention(
-                q, cache.keys[:, :, :s], cache.values[:, :, :s], attn_mask=mask,
-                enable_gqa=self.gqa)  # (R, H, 1, D)
-            x = int8_linear(a.reshape(rows, hd), q_out, s_out, b_out).add_(x)  # (R, C)
+            a = self._attend(proj, cache, t, s, rope_pos, mask)  # (R, H·D)
+            x = int8_linear(a, q_out, s_out, b_out).add_(x)  # (R, C)
             h = F.layer_norm(x, width, w2, b2, e2)
             f = self.act(int8_linear(h, q_fc, s_fc, b_fc))  # (R, F)
             x = int8_linear(f, q_proj, s_proj, b_proj).add_(x)  # (R, C)
         return int8_linear(F.layer_norm(x, width, *self.norm), *self.head)  # (R, V)
 
+    def _attend(self, proj: Tensor, cache, t: int, s: int, rope_pos: Tensor | None,
+                mask: Tensor | None) -> Tensor:
+        """One query per row: split the fused projection proj (R, (H + 2·Hkv)·D), rotate,
+        write the new key/value into cache slot t, attend over the first s slots; (R, H·D)."""
+        rows, hd = self.rows, self.heads * self.head_dim
+        kvd = self.kv_heads * self.head_dim
+        q = proj[:, :hd].view(rows, self.heads, 1, self.head_dim)  # (R, H, 1, D)
+        k = proj[:, hd:hd + kvd].view(rows, self.kv_heads, 1, self.head_dim)  # (R, Hkv, 1, D)
+        v = proj[:, hd + kvd:].view(rows, self.kv_heads, 1, self.head_dim)  # (R, Hkv, 1, D)
+        if self.rope is not None:
+            q, k = self.rope.rotate(q, rope_pos), self.rope.rotate(k, rope_pos)
+        cache.keys[:, :, t:s] = k
+        cache.values[:, :, t:s] = v
+        a = F.scaled_dot_product_attention(
+            q, cache.keys[:, :, :s], cache.values[:, :, :s], attn_mask=mask,
+            enable_gqa=self.gqa)  # (R, H, 1, D)
+        return a.reshape(rows, hd)  # (R, H·D)
+
     def _step_kernel(self, x: Tensor, t: int, s: int, rope_pos: Tensor | None,
                      mask: Tensor | None) -> Tensor:
         """``step``'s layers with the fused int8 kernel; x (R, C) the embedded tokens."""
-        rows, hd = self.rows, self.heads * self.head_dim
-        kvd = self.kv_heads * self.head_dim
         width = (self.width,)
         for (w1, b1, e1, *_a, w2, b2, e2, _f1, _f2, _f3, _p1, _p2, _p3), specs, cache in zip(
                 self.layers, self.klayers, self.cache, strict=True):
             k_in, k_out, k_fc, k_proj = specs
             proj = self._linear(F.layer_norm(x, width, w1, b1, e1), k_in)  # (R, (H+2Hkv)·D)
-            q = proj[:, :hd].view(rows, self.heads, 1, self.head_dim)  # (R, H, 1, D)
-            k = proj[:, hd:hd + kvd].view(rows, self.kv_heads, 1, self.head_dim)
-            v = proj[:, hd + kvd:].view(rows, self.kv_heads, 1, self.head_dim)
-            if self.rope is not None:
-                q, k = self.rope.rotate(q, rope_pos), self.rope.rotate(k, rope_pos)
-            cache.keys[:, :, t:s] = k
-            cache.values[:, :, t:s] = v
-            a = F.scaled_dot_product_attention(
-                q, cache.keys[:, :, :s], cache.values[:, :, :s], attn_mask=mask,
-                enable_gqa=self.gqa)  # (R, H, 1, D)
-            x = self._linear(a.reshape(rows, hd).contiguous(), k_out, res=x)  # (R, C)
+            a = self._attend(proj, cache, t, s, rope_pos, mask)  # (R, H·D)
+            x = self._linear(a.contiguous(), k_out, res=x)  # (R, C)
             f = self.act(self._linear(F.layer_norm(x, width, w2, b2, e2), k_fc))  # (R, F)
             x = self._linear(f.contiguous(), k_proj, res=x)  # (R, C)
         return self._linear(F.layer_norm(x, width, *self.norm), self.khead)  # (R, V)
