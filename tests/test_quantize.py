@@ -511,3 +511,16 @@ def test_int8_step_reorder_follows_rows():
         b.step(torch.tensor([9]))
         want = b.step(torch.tensor([3]))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[0])
+
+
+@pytest.mark.parametrize("targets", [("q", "k", "v"), ("ffn_in",)])
+def test_quantize_refuses_an_unmerged_lora_and_takes_the_merged_model(targets):
+    """An unmerged LoRA wraps a projection (its wrapper is no nn.Linear): quantize refuses it
+    by name instead of leaving that projection fp32; merged, the model quantizes."""
+    from qkv.peft import LoraConfig, add_lora, merge
+
+    model = add_lora(_gpt(), LoraConfig(r=2, targets=targets))
+    with pytest.raises(ValueError, match=r"layers\.0\.(attn\.in_proj|ffn\.fc_in) is a .* merge"):
+        qkv.quantize(model, "int8")
+    merge(model)
+    qkv.quantize(model, "int8")

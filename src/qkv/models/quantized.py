@@ -90,9 +90,15 @@ def _check_model(model: Any, mode: Any) -> None:
         if isinstance(mod, nn.Linear) and type(mod) is not nn.Linear:
             raise TypeError(f"quantize: {name} is a {type(mod).__name__}, not a plain "
                             f"nn.Linear; quantize handles nn.Linear layers only")
-        if type(mod).__module__.startswith("qkv.peft"):
-            raise ValueError(f"quantize: {name} is a qkv.peft {type(mod).__name__}; merge the "
-                             f"adapters first (qkv.peft.merge(model)) and quantize the result")
+        for attr in _PROJECTIONS:  # a stand-in for a projection computes more than its weight
+            lin = mod._modules.get(attr)
+            w = getattr(lin, "weight", None)
+            if (lin is not None and not isinstance(lin, nn.Linear)
+                    and isinstance(w, Tensor) and w.dim() == 2):
+                raise ValueError(f"quantize: {name}.{attr} is a {type(lin).__name__} standing "
+                                 f"in for an nn.Linear (an unmerged adapter); merge the "
+                                 f"adapters first (qkv.peft.merge(model)) and quantize the "
+                                 f"result")
     for name, p in [*model.named_parameters(), *model.named_buffers()]:
         if p.is_floating_point() and p.dtype != torch.float32:
             raise TypeError(f"quantize: the int8 path takes an fp32 model; {name} is "
@@ -100,6 +106,11 @@ def _check_model(model: Any, mode: Any) -> None:
         if p.device.type != "cpu":
             raise ValueError(f"quantize: the int8 path runs on the CPU; {name} is on "
                              f"{p.device} (call model.cpu() first)")
+
+
+#: the attributes that hold a projection in qkv's modules and models (attention, feed-forward,
+#: LM head); a wrapper put there from outside (qkv.peft's LoRA) is refused, not skipped
+_PROJECTIONS = ("in_proj", "q_proj", "kv_proj", "out_proj", "fc_in", "fc_out", "lm_head")
 
 
 def _replace_linears(module: nn.Module, prefix: str, done: list[str], exact: bool) -> None:
