@@ -219,12 +219,12 @@ class EncoderLayer(nn.Module):
     def rows_at_direct(self) -> bool:
         """True when ``forward_rows_at`` may stand in for a call of this layer: it is a plain
         ``EncoderLayer`` (``rows_are_direct()``, no rope) whose calls nothing wraps — no
-        forward hooks, no FSDP (``fully_shard`` changes the class), no activation
-        checkpointing (which replaces ``forward`` / ``forward_rows`` on the instance)."""
+        hooks (``has_hooks``: its own or global), no FSDP (``fully_shard`` changes the
+        class), no activation checkpointing (which replaces ``forward`` / ``forward_rows``
+        on the instance)."""
         return (type(self) is EncoderLayer and self.rows_are_direct()
-                and self.attn.rope is None
-                and not (self._forward_hooks or self._forward_pre_hooks)
-                and not {"forward", "forward_rows"} & vars(self).keys())
+                and self.attn.rope is None and not has_hooks(self)
+                and "forward_rows" not in vars(self))
 
     def forward_rows_at(self, h: Tensor, rows: TokenRows, at: Tensor, *, mask=None,
                         bufs: dict[str, Tensor] | None = None) -> Tensor:
