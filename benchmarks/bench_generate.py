@@ -16,8 +16,11 @@ floor is timed in the same alternation: runs that only read every linear weight 
 included) once per token, T times, nothing else, through each matmul layout torch offers
 for a (1, in) row times a weight — ``mm(x, W_t)`` on a pre-transposed (in, out) copy, the
 same with ``out=``, ``addmm(b, x, W_t, out=)``, ``mv(W_t.T, x)``, ``mv(W, x)`` and
-``F.linear(x, W)`` on the (out, in) weight. The fastest layout by median is the floor: no
-decoder that reads its fp32 weights once per token through torch's kernels goes faster. The
+``F.linear(x, W)`` on the (out, in) weight — and qkv's own C kernel
+(``qkv.generation.gemv_kernel``, bias added, on the (in, out) copy), which the one-row,
+one-thread step uses and which reads the weights faster than torch's GEMM here. The fastest
+layout by median is the floor: no decoder that reads its fp32 weights once per token through
+these kernels goes faster. The
 decode alone (qkv's ``FastGPTStepper``: prefill + T - 1 steps, argmax, no search loop) is
 timed too, so that what the search loop adds is visible.
 
@@ -47,6 +50,7 @@ import torch
 
 from benchmarks._harness import alternate_times, load_average, print_table
 from qkv import generate
+from qkv.generation import gemv_kernel
 from qkv.models import GPT
 
 
@@ -67,7 +71,7 @@ def build(args) -> tuple[torch.nn.Module, GPT]:
 
 
 LAYOUTS = ("mm(x, W_t)", "mm(x, W_t, out=)", "addmm(b, x, W_t, out=)", "mv(W_t.T, x)",
-           "mv(W, x)", "F.linear(x, W)")
+           "mv(W, x)", "F.linear(x, W)", "qkv gemv_kernel(x, W_t)")
 
 
 def weight_reads(model: GPT, tokens: int, layout: str = "mm(x, W_t)"):
@@ -87,6 +91,11 @@ def weight_reads(model: GPT, tokens: int, layout: str = "mm(x, W_t)"):
     vs = [x[0] for x in xs]  # (in,)
     outs = [torch.empty(1, w.shape[0]) for w in ws]  # (1, out)
     mm, addmm, mv, linear = torch.mm, torch.addmm, torch.mv, F.linear
+    gemv = gemv_kernel.load() if layout == "qkv gemv_kernel(x, W_t)" else None
+    if layout == "qkv gemv_kernel(x, W_t)" and gemv is None:
+        raise RuntimeError("weight_reads: qkv's C GEMV kernel cannot be built here")
+    ptrs = [(x.data_ptr(), w.data_ptr(), b.data_ptr(), o.data_ptr(), *w.shape)
+            for x, w, b, o in zip(xs, wts, bs, outs, strict=True)]  # w: (in, out)
     body = {
         "mm(x, W_t)": lambda: [mm(x, w) for x, w in zip(xs, wts, strict=True)],
         "mm(x, W_t, out=)": lambda: [mm(x, w, out=o)
@@ -96,6 +105,8 @@ def weight_reads(model: GPT, tokens: int, layout: str = "mm(x, W_t)"):
         "mv(W_t.T, x)": lambda: [mv(w.t(), v) for w, v in zip(wts, vs, strict=True)],
         "mv(W, x)": lambda: [mv(w, v) for w, v in zip(ws, vs, strict=True)],
         "F.linear(x, W)": lambda: [linear(x, w) for x, w in zip(xs, ws, strict=True)],
+        "qkv gemv_kernel(x, W_t)": lambda: [gemv(x, w, b, None, o, k, n)
+                                            for x, w, b, o, k, n in ptrs],
     }[layout]
 
     def run() -> None:
@@ -103,6 +114,7 @@ def weight_reads(model: GPT, tokens: int, layout: str = "mm(x, W_t)"):
             for _ in range(tokens):
                 body()
 
+    run.tensors = (xs, wts, bs, outs)  # the kernel layout holds raw pointers into these
     return run
 
 
@@ -148,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
             8, 4, 64, 2, 4, 128
         args.repeats, args.warmup, args.rounds = 1, 1, 1
     layouts = LAYOUTS if args.layouts == ["all"] else tuple(args.layouts)
+    if args.layouts == ["all"] and gemv_kernel.load() is None:  # no C compiler here
+        layouts = tuple(lay for lay in layouts if lay != "qkv gemv_kernel(x, W_t)")
     print("command: python -m benchmarks.bench_generate "
           + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)))
     print(f"torch {torch.__version__}, fp32 CPU; B=1 N={args.prompt} T={args.tokens} "

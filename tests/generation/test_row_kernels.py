@@ -1,0 +1,146 @@
+"""The one-row fp32 decode step's C kernels against oracles written apart from them:
+``gemv_kernel`` (y = res + b + x @ W) against the fp64 product, and the step through
+``row_step_kernel`` (a whole layer per call) against the fp64 copy of the model's own
+uncached forward (logits) and ``use_cache=False`` (greedy tokens), for each activation, RoPE
+(both pair layouts), GQA/MQA, no bias, and a left-padded one-row prompt.
+
+Shapes: K input features, N output features, T new tokens, V vocab size.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _fast_gpt_models import left_padded, tiny_gpt
+
+import qkv
+from qkv.generation import attention_kernel, gemv_kernel, row_step_kernel
+from qkv.generation.fast_gpt import FastGPTStepper
+
+# fp32 kernels vs fp64 math: logits are O(1-10) here; fp32 rounding in another summation
+# order than torch's stays far below this (the same bound as the other fast-step tests)
+F32 = dict(atol=2e-4, rtol=2e-5)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The C paths run when torch runs on one thread (as under xdist)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _kernels_or_skip() -> None:
+    if gemv_kernel.load() is None or row_step_kernel.load() is None \
+            or attention_kernel.load() is None:
+        pytest.skip("the C kernels cannot be built here")
+
+
+@pytest.mark.parametrize("k,n", [(32, 32), (37, 45), (384, 1152), (5, 3), (16, 17), (9, 64)])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("res", ["none", "other", "in-place"])
+def test_gemv_equals_fp64_product(k, n, bias, res):
+    _kernels_or_skip()
+    fn = gemv_kernel.load()
+    torch.manual_seed(k * n)
+    x, w = torch.randn(k), torch.randn(k, n)  # w: (in, out)
+    b = torch.randn(n) if bias else None
+    r = torch.randn(n)
+    y = r.clone() if res == "in-place" else torch.full((n,), float("nan"))
+    want = x.double() @ w.double() + (b.double() if bias else 0) + (
+        0 if res == "none" else r.double())
+    rp = {"none": None, "other": r.data_ptr(), "in-place": y.data_ptr()}[res]
+    assert fn(x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), rp,
+              y.data_ptr(), k, n) == 0
+    torch.testing.assert_close(y.double(), want, atol=1e-4, rtol=1e-5)
+
+
+VARIANTS = [dict(), dict(activation="gelu"), dict(activation="silu"),
+            dict(activation="quick_gelu"), dict(activation="relu", bias=False,
+                                                tie_embeddings=False),
+            dict(positions="rope", num_kv_heads=2), dict(positions="rope", num_kv_heads=1),
+            dict(num_kv_heads=1)]
+VARIANT_IDS = ["gpt2-gelu_tanh", "gelu", "silu", "quick_gelu", "relu-nobias-untied",
+               "rope-gqa", "rope-mqa", "mqa"]
+
+
+def _model(kw: dict, interleaved: bool):
+    model = tiny_gpt(**kw)
+    if interleaved:
+        model.rope.interleaved = True  # the other pair layout, in the model and the step
+    return model
+
+
+@pytest.mark.parametrize("kw", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_row_step_logits_equal_fp64_forward(kw, padded):
+    """prefill + 8 steps of one row through the C layer kernel: every logit == the fp64
+    model's uncached forward over the prompt and the tokens fed so far."""
+    _kernels_or_skip()
+    for interleaved in ([False, True] if "positions" in kw else [False]):
+        model = _model(kw, interleaved)
+        ids, keep = left_padded(rows=3, n=7)
+        ids, keep = ids[2:], keep[2:]  # one row, its first 6 positions padded
+        if not padded:
+            ids, keep = torch.randint(3, 48, (1, 7)), None
+        torch.manual_seed(3)
+        new = torch.randint(3, 48, (1, 8))
+        with torch.inference_mode():
+            stepper = FastGPTStepper(model, ids, keep, new.shape[1])
+            assert stepper.row_layers is not None
+            got = [stepper.prefill()] + [stepper.step(new[:, i]) for i in range(8)]
+            full = torch.cat((ids, new), dim=1)
+            mask = None if keep is None else torch.cat(
+                (keep, torch.ones_like(new, dtype=torch.bool)), dim=1)
+            want = copy.deepcopy(model).double()(full, attention_mask=mask)[:, 6:]
+        torch.testing.assert_close(torch.stack(got, dim=1).double(), want, **F32)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(positions="rope", num_kv_heads=2)],
+                         ids=["gpt2", "rope-gqa"])
+def test_row_greedy_tokens_equal_uncached_and_torch_path(kw, monkeypatch):
+    """Greedy tokens of one row through the C kernels == ``use_cache=False`` == the step on
+    torch's ops (``QKV_ROW_KERNEL=0``)."""
+    _kernels_or_skip()
+    model = tiny_gpt(**kw)
+    torch.manual_seed(5)
+    ids = torch.randint(3, 48, (1, 5))
+    with torch.inference_mode():
+        assert FastGPTStepper(model, ids, None, 3).row_layers is not None
+    got = qkv.generate(model, ids, max_new_tokens=20)
+    assert torch.equal(got, qkv.generate(model, ids, max_new_tokens=20, use_cache=False))
+    monkeypatch.setenv("QKV_ROW_KERNEL", "0")
+    with torch.inference_mode():
+        assert FastGPTStepper(model, ids, None, 3).row_layers is None
+    assert torch.equal(got, qkv.generate(model, ids, max_new_tokens=20))
+
+
+def test_row_path_only_for_one_fp32_row_on_one_thread():
+    """Two rows, fp64, or two torch threads keep the torch ops."""
+    _kernels_or_skip()
+    model = tiny_gpt()
+    ids = torch.randint(3, 48, (2, 5))
+    wide = copy.deepcopy(model).double()
+    with torch.inference_mode():
+        assert FastGPTStepper(model, ids[:1], None, 3).row_layers is not None
+        assert FastGPTStepper(model, ids, None, 3).row_layers is None
+        assert FastGPTStepper(wide, ids[:1], None, 3).row_layers is None
+        torch.set_num_threads(2)
+        assert FastGPTStepper(model, ids[:1], None, 3).row_layers is None
+
+
+def test_model_built_under_inference_mode_generates():
+    """A model made under ``inference_mode`` (inference tensors: no version counter) decodes
+    on the lean step, and an in-place edit of its weights there is still seen."""
+    with torch.inference_mode():
+        model = tiny_gpt(tie_embeddings=False)
+        ids = torch.randint(3, 48, (1, 5))
+        before = qkv.generate(model, ids, max_new_tokens=6)
+        assert torch.equal(before, qkv.generate(model, ids, max_new_tokens=6, use_cache=False))
+        model.lm_head.weight.neg_()  # argmax becomes argmin: the kept copies must follow
+        got = qkv.generate(model, ids, max_new_tokens=6)
+        assert not torch.equal(got, before)
+        assert torch.equal(got, qkv.generate(model, ids, max_new_tokens=6, use_cache=False))
