@@ -81,7 +81,8 @@ class KVCache:
         device: buffer device (default CPU).
 
     Attributes:
-        keys: (B, Hkv, capacity, D) buffer; only ``keys[:, :, :length]`` is meaningful.
+        keys: (B, Hkv, capacity, D) buffer; only ``keys[:, :, :length]`` is meaningful (the
+            rest is uninitialised memory).
         values: (B, Hkv, capacity, Dv) buffer.
 
     Example::
@@ -98,9 +99,11 @@ class KVCache:
         _check_positive("KVCache", batch=batch, num_kv_heads=num_kv_heads, capacity=capacity,
                         head_dim=head_dim, value_dim=value_dim)
         dtype = _check_dtype("KVCache", dtype)
-        self.keys = torch.zeros(batch, num_kv_heads, capacity, head_dim, dtype=dtype,
+        # uninitialised: every position is written before it is read (zeroing a batch-16
+        # cache cost ~2 % of a short generation here)
+        self.keys = torch.empty(batch, num_kv_heads, capacity, head_dim, dtype=dtype,
                                 device=device)  # (B, Hkv, capacity, D)
-        self.values = torch.zeros(batch, num_kv_heads, capacity, value_dim, dtype=dtype,
+        self.values = torch.empty(batch, num_kv_heads, capacity, value_dim, dtype=dtype,
                                   device=device)  # (B, Hkv, capacity, Dv)
         self._length = 0
 
