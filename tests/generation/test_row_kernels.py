@@ -144,3 +144,17 @@ def test_model_built_under_inference_mode_generates():
         got = qkv.generate(model, ids, max_new_tokens=6)
         assert not torch.equal(got, before)
         assert torch.equal(got, qkv.generate(model, ids, max_new_tokens=6, use_cache=False))
+
+
+def test_row_step_past_the_cache_raises():
+    """The C kernel writes the cache slot itself: a step past the capacity is refused."""
+    _kernels_or_skip()
+    model = tiny_gpt()
+    with torch.inference_mode():
+        stepper = FastGPTStepper(model, torch.randint(3, 48, (1, 4)), None, 2)
+        assert stepper.row_layers is not None
+        stepper.prefill()
+        stepper.step(torch.tensor([5]))
+        stepper.step(torch.tensor([6]))
+        with pytest.raises(IndexError, match="one too many"):
+            stepper.step(torch.tensor([7]))

@@ -515,6 +515,9 @@ class FastGPTStepper:
         (``RowLayers``: the same math, in place on the residual row), then the final norm and
         the LM head (``gemv_kernel``); logits (1, V)."""
         t = self.length  # cache slot of the new token
+        if t >= self.capacity:  # the C kernel would write past the cache
+            raise IndexError(f"FastGPTStepper: the caches hold {self.capacity} positions "
+                             f"(prompt + max_new_tokens); step {t + 1} is one too many")
         self.length = t + 1
         x, rope_pos = self._embed(tokens, t)  # (1, C), a fresh row: updated in place
         self.row_layers(x, t, rope_pos)
