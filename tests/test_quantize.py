@@ -506,7 +506,7 @@ def test_int8_step_reorder_follows_rows():
         a.step(torch.tensor([7, 9]))
         a.reorder(torch.tensor([1, 1]))
         got = a.step(torch.tensor([3, 3]))
-        b = Int8GPTStepper(model, ids[1:], None, 4)
+        b = Int8GPTStepper(model, ids[1:], None, 4)  # the row alone: the same path
         b.prefill()
         b.step(torch.tensor([9]))
         want = b.step(torch.tensor([3]))

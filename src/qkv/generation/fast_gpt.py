@@ -423,8 +423,11 @@ class FastGPTStepper:
         if rows == 1 and self.attn_kernel is not None and not self.packed:
             self.row_gemv = gemv_kernel.load()
             if self.row_gemv is not None:
-                self.row_layers = RowLayers.build(model, wt, self.cache,
-                                                  self.bias if self.beta else None)
+                linears = [(wt[4 * i + j], None, m.bias) for i, layer in enumerate(model.layers)
+                           for j, m in enumerate((layer.attn.in_proj, layer.attn.out_proj,
+                                                  layer.ffn.fc_in, layer.ffn.fc_out))]
+                self.row_layers = RowLayers.build(model, linears, self.cache,
+                                                  self.bias if self.beta else None, quant=False)
 
     def prefill(self) -> Tensor:
         """Run the prompt through the model (filling the caches); logits (R, V).

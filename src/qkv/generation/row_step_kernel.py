@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ..models.gpt import GPT
 from ..modules.cache import KVCache
-from . import attention_kernel, gemv_kernel
+from . import attention_kernel, gemv_kernel, int8_kernel
 from .c_kernels import env_off, load_function
 
 __all__ = ["ACTIVATION_CODES", "RowLayers", "disabled", "load", "work_floats"]
@@ -88,50 +88,95 @@ static void rotate_heads(float *x, int64_t heads, int64_t d, const float *cs, co
     }
 }
 
-/* One pre-norm GPT layer for one row, in place on x (c floats).
-   keys/values: the layer's cache (hkv, cap, d); slot t gets the new key/value; attention
-   over slots [0, t]. bias: (hkv, cap) additive key bias (-inf skips a key) or NULL.
-   Weights are (in, out) row-major: w_in (c, p), w_out (h*d, c), w_fc (c, f), w_proj (f, c);
-   any bias or norm weight may be NULL. cs/sn: RoPE's cosines and sines (d/2 floats each)
-   of this position, or NULL without RoPE. work: c + p + h*d + f + g*cap floats. */
-int qkv_decode_layer(float *x, int64_t c, const float *ln1_w, const float *ln1_b, float eps1,
-                     const float *w_in, const float *b_in, float *keys, float *values,
-                     int64_t cap, int64_t t, int64_t hkv, int64_t g, int64_t d,
-                     const float *bias, float scale, const float *w_out, const float *b_out,
-                     const float *ln2_w, const float *ln2_b, float eps2, const float *w_fc,
-                     const float *b_fc, int64_t f, int act, const float *w_proj,
-                     const float *b_proj, const float *cs, const float *sn, int interleaved,
-                     float *work) {
-    int64_t hd = hkv * g * d, p = hd + 2 * hkv * d;
-    float *h = work, *proj = h + c, *a = proj + p, *ff = a + hd, *scratch = ff + f;
-    layer_norm_row(x, c, ln1_w, ln1_b, eps1, h);
-    qkv_gemv(h, w_in, b_in, NULL, proj, c, p);
-    if (cs) rotate_heads(proj, hkv * g + hkv, d, cs, sn, interleaved); /* q heads, k heads */
-    for (int64_t j = 0; j < hkv; j++)
-        for (int64_t e = 0; e < d; e++) {
-            keys[(j * cap + t) * d + e] = proj[hd + j * d + e];
-            values[(j * cap + t) * d + e] = proj[hd + hkv * d + j * d + e];
-        }
-    int rc = qkv_decode_attention(proj, 0, keys, values, cap * d, hkv, hkv, g, t + 1, d,
-                                  bias, cap, scale, a, scratch);
+/* The fixed arguments of one layer (built once per layer by RowLayers). Weights: fp32
+   (in, out) row-major when quant is 0; int8 (out, in) row-major with s_* the per-output
+   scale / 127 (qkv_int8_linear's math) when quant is 1. Any bias, norm weight or scale
+   pointer may be NULL where the layer has none. */
+typedef struct {
+    int64_t rows, c, hkv, g, d, f, cap, act, quant, interleaved;
+    float eps1, eps2, scale;
+    const float *ln1_w, *ln1_b, *ln2_w, *ln2_b;
+    const void *w_in, *w_out, *w_fc, *w_proj;
+    const float *s_in, *s_out, *s_fc, *s_proj;
+    const float *b_in, *b_out, *b_fc, *b_proj;
+    float *keys, *values;  /* the layer's cache (rows, hkv, cap, d) */
+    const float *bias;     /* (rows * hkv, cap) additive key bias (-inf skips a key) or NULL */
+    float *work;           /* rows * (c + p + h*d + f) + g*cap floats */
+    int8_t *xq;            /* int8 only: rows * max(c, h*d, f) bytes */
+    int32_t *acc;          /* int8 only: rows * max(p, c, f) */
+    float *amax;           /* int8 only: rows */
+} qkv_row_layer;
+
+/* y (m, n) = res + b + x (m, k) @ W, rows independent of each other */
+static void row_linear(const qkv_row_layer *L, const float *x, int64_t m, const void *w,
+                       const float *s, const float *b, const float *res, float *y, int64_t k,
+                       int64_t n) {
+    if (L->quant)
+        qkv_int8_linear(x, m, k, (const int8_t *)w, n, s, b, res, y, L->xq, L->acc, L->amax);
+    else
+        qkv_gemv(x, (const float *)w, b, res, y, k, n);
+}
+
+/* One pre-norm GPT layer for m rows x (m, c), in place: slot t of each row's cache gets its
+   new key/value, attention over slots [0, t] (the bias masks a row's padded prompt
+   positions). cs/sn: RoPE's cosines and sines (m, d/2) of each row's position, or NULL
+   without RoPE. fp32 weights: m must be 1 (products through qkv_gemv). */
+int qkv_decode_layer(const qkv_row_layer *L, float *x, int64_t m, int64_t t, const float *cs,
+                     const float *sn) {
+    int64_t c = L->c, hkv = L->hkv, d = L->d, cap = L->cap, f = L->f;
+    int64_t hd = hkv * L->g * d, p = hd + 2 * hkv * d;
+    float *h = L->work, *proj = h + m * c, *a = proj + m * p, *ff = a + m * hd;
+    float *scratch = ff + m * f;
+    if (t < 0 || t >= cap || m < 1 || m > L->rows || (!L->quant && m != 1)) return 2;
+    for (int64_t r = 0; r < m; r++)
+        layer_norm_row(x + r * c, c, L->ln1_w, L->ln1_b, L->eps1, h + r * c);
+    row_linear(L, h, m, L->w_in, L->s_in, L->b_in, NULL, proj, c, p);
+    for (int64_t r = 0; r < m; r++) {
+        float *pr = proj + r * p;
+        if (cs)  /* q heads, then k heads */
+            rotate_heads(pr, hkv * L->g + hkv, d, cs + r * (d / 2), sn + r * (d / 2),
+                         (int)L->interleaved);
+        for (int64_t j = 0; j < hkv; j++)
+            for (int64_t e = 0; e < d; e++) {
+                int64_t at = ((r * hkv + j) * cap + t) * d + e;
+                L->keys[at] = pr[hd + j * d + e];
+                L->values[at] = pr[hd + hkv * d + j * d + e];
+            }
+    }
+    int rc = qkv_decode_attention(proj, p, L->keys, L->values, cap * d, m * hkv, hkv, L->g,
+                                  t + 1, d, L->bias, cap, L->scale, a, scratch);
     if (rc) return rc;
-    qkv_gemv(a, w_out, b_out, x, x, hd, c);
-    layer_norm_row(x, c, ln2_w, ln2_b, eps2, h);
-    qkv_gemv(h, w_fc, b_fc, NULL, ff, c, f);
-    activate(ff, f, act);
-    qkv_gemv(ff, w_proj, b_proj, x, x, f, c);
+    row_linear(L, a, m, L->w_out, L->s_out, L->b_out, x, x, hd, c);
+    for (int64_t r = 0; r < m; r++)
+        layer_norm_row(x + r * c, c, L->ln2_w, L->ln2_b, L->eps2, h + r * c);
+    row_linear(L, h, m, L->w_fc, L->s_fc, L->b_fc, NULL, ff, c, f);
+    activate(ff, m * f, (int)L->act);
+    row_linear(L, ff, m, L->w_proj, L->s_proj, L->b_proj, x, x, f, c);
     return 0;
 }
 """
 
-SOURCE = gemv_kernel.SOURCE + attention_kernel.SOURCE + _LAYER
+SOURCE = gemv_kernel.SOURCE + attention_kernel.SOURCE + int8_kernel.SOURCE + _LAYER
 
 
-def work_floats(width: int, heads: int, kv_heads: int, head_dim: int, ffn: int,
+class _Layer(ctypes.Structure):
+    """``qkv_row_layer`` of the C source, field for field."""
+
+    _fields_ = ([(n, ctypes.c_int64) for n in
+                 ("rows", "c", "hkv", "g", "d", "f", "cap", "act", "quant", "interleaved")]
+                + [(n, ctypes.c_float) for n in ("eps1", "eps2", "scale")]
+                + [(n, ctypes.c_void_p) for n in
+                   ("ln1_w", "ln1_b", "ln2_w", "ln2_b", "w_in", "w_out", "w_fc", "w_proj",
+                    "s_in", "s_out", "s_fc", "s_proj", "b_in", "b_out", "b_fc", "b_proj",
+                    "keys", "values", "bias", "work", "xq", "acc", "amax")])
+
+
+def work_floats(rows: int, width: int, heads: int, kv_heads: int, head_dim: int, ffn: int,
                 capacity: int) -> int:
-    """Floats of the ``work`` buffer ``qkv_decode_layer`` needs."""
+    """Floats of the ``work`` buffer ``qkv_decode_layer`` needs for ``rows`` rows."""
     hd = heads * head_dim
-    return width + hd + 2 * kv_heads * head_dim + hd + ffn + (heads // kv_heads) * capacity
+    return (rows * (width + hd + 2 * kv_heads * head_dim + hd + ffn)
+            + (heads // kv_heads) * capacity)
 
 
 def disabled() -> bool:
@@ -140,77 +185,110 @@ def disabled() -> bool:
 
 
 def load():
-    """The C function ``qkv_decode_layer`` (ctypes; arguments in the source), or None when
-    the kernel is turned off or cannot be built or loaded here. Built once per process."""
+    """The C function ``qkv_decode_layer(layer, x, m, t, cos, sin)`` (ctypes; the layer a
+    pointer to its fixed arguments, see the source), or None when the kernel is turned off or
+    cannot be built or loaded here. Built once per process."""
     if disabled():
         return None
     with _lock:
         if "fn" not in _state:
-            p, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-            _state["fn"] = load_function(
-                SOURCE, "decode-layer", "qkv_decode_layer",
-                [p, i, p, p, f, p, p, p, p, i, i, i, i, i, p, f, p, p, p, p, f, p, p, i,
-                 ctypes.c_int, p, p, p, p, ctypes.c_int, p])
+            p = ctypes.c_void_p
+            _state["fn"] = load_function(SOURCE, "decode-layer", "qkv_decode_layer",
+                                         [p, p, ctypes.c_int64, ctypes.c_int64, p, p])
         return _state["fn"]
 
 
-class RowLayers:
-    """The layers of a GPT for one fp32 row, each one call of ``qkv_decode_layer``: the
-    fixed arguments (pointers into the weights, norms and caches, which the caller keeps
-    alive) made once, the slot and RoPE angles per call.
+Linear = tuple  # (weight, scale / 127 or None, bias or None) of one projection
 
-    Build with ``RowLayers.build``; call ``layers(x, t, rope_pos)`` with the embedded row x
-    (1, C) (updated in place: the residual stream after the last layer), the cache slot t
-    and RoPE's positions ((1,) or (1, 1) int; None without RoPE).
+
+class RowLayers:
+    """The layers of a GPT for R rows (fp32 weights: one row; int8: any), each one call of
+    ``qkv_decode_layer``: the fixed arguments (pointers into the weights, norms, caches and
+    buffers, kept alive here) made once, the slot and RoPE angles per call. Every row is
+    computed on its own (its own norms, int8 activation scale and attention): a row gives
+    the same numbers alone as in a batch.
+
+    Build with ``RowLayers.build``; call ``layers(x, t, rope_pos)`` with the embedded rows x
+    (R, C) (updated in place: the residual stream after the last layer), the cache slot t
+    and RoPE's positions ((1,) for every row, or (R, 1) int; None without RoPE).
     """
 
-    def __init__(self, fn, args: list[tuple], bias: int | None, rope, work: Tensor) -> None:
-        self.fn, self.args, self.bias, self.rope, self.work = fn, args, bias, rope, work
-        self.interleaved = int(rope is not None and rope.interleaved)
+    def __init__(self, fn, layers: list[_Layer], rows: int, rope, keep: list[Tensor]) -> None:
+        self.fn, self.layers, self.rows, self.rope, self._keep = fn, layers, rows, rope, keep
+        self._addresses = [ctypes.addressof(la) for la in layers]
 
     @classmethod
-    def build(cls, model: GPT, transposed: list[Tensor], cache: list[KVCache],
-              bias: Tensor | None) -> RowLayers | None:
-        """The layers of ``model`` (a ``fast_gpt.eligible`` fp32 GPT) over its (in, out)
-        weight copies ``transposed`` (``fast_gpt.transposed_weights``: 4 per layer, then the
-        head) and one-row, contiguous ``cache``s; ``bias`` the (Hkv, 1, cap) additive key
-        bias (-inf at padded prompt positions) or None. None when the activation has no C
-        form or the kernel cannot be loaded here."""
+    def build(cls, model: GPT, linears: list[Linear], cache: list[KVCache],
+              bias: Tensor | None, *, quant: bool) -> RowLayers | None:
+        """The layers of ``model`` (a ``fast_gpt.plain_gpt`` with fp32 embeddings) on
+        contiguous caches of R rows (``quant=False``: R must be 1).
+
+        Args:
+            linears: 4 per layer (in_proj, out_proj, fc_in, fc_out): fp32 (in, out) weights
+                with no scale (``quant=False``; ``fast_gpt.transposed_weights``), or int8
+                (out, in) weights with their scale / 127 (``quant=True``; ``QuantizedLinear``).
+            bias: the (R·Hkv, 1, cap) additive key bias (-inf at padded prompt positions),
+                contiguous, or None.
+
+        Returns None when the activation has no C form or the kernel cannot be loaded."""
         c = model.config
         fn = load()
-        if fn is None or c.activation not in ACTIVATION_CODES:
+        rows = cache[0].keys.shape[0]
+        if fn is None or c.activation not in ACTIVATION_CODES or (rows != 1 and not quant):
             return None
+        keep: list[Tensor] = []
 
         def ptr(t: Tensor | None) -> int | None:
-            return None if t is None else t.data_ptr()
+            if t is None:
+                return None
+            t = t.detach().contiguous()
+            keep.append(t)
+            return t.data_ptr()
+
+        def buffer(t: Tensor | None) -> int | None:  # written by the kernel: never a copy
+            if t is not None and not t.is_contiguous():
+                raise ValueError("RowLayers: caches and the key bias must be contiguous")
+            return ptr(t)
 
         heads, kv_heads, d = c.num_heads, c.num_kv_heads or c.num_heads, c.head_dim
         cap = cache[0].keys.shape[2]
         ffn = model.layers[0].ffn.fc_in.out_features
-        work = torch.empty(work_floats(c.dim, heads, kv_heads, d, ffn, cap),
-                           dtype=model.embed.weight.dtype)
-        act = ACTIVATION_CODES[c.activation]
-        args = []
+        work = torch.empty(work_floats(rows, c.dim, heads, kv_heads, d, ffn, cap))
+        widest = max(c.dim, heads * d, ffn, (heads + 2 * kv_heads) * d)
+        xq = torch.empty(rows * widest, dtype=torch.int8)
+        acc = torch.empty(rows * widest, dtype=torch.int32)
+        amax = torch.empty(rows)
+        layers = []
         for i, (layer, kc) in enumerate(zip(model.layers, cache, strict=True)):
-            w_in, w_out, w_fc, w_proj = transposed[4 * i:4 * i + 4]  # (in, out) copies
-            n1, n2, a, f = layer.norm1, layer.norm2, layer.attn, layer.ffn
-            args.append((
-                (c.dim, ptr(n1.weight), ptr(n1.bias), n1.eps, ptr(w_in), ptr(a.in_proj.bias),
-                 ptr(kc.keys), ptr(kc.values), cap),  # then the slot t
-                (kv_heads, heads // kv_heads, d),  # then the key bias
-                (1.0 / d ** 0.5, ptr(w_out), ptr(a.out_proj.bias), ptr(n2.weight), ptr(n2.bias),
-                 n2.eps, ptr(w_fc), ptr(f.fc_in.bias), ffn, act, ptr(w_proj),
-                 ptr(f.fc_out.bias))))  # then RoPE's cosines, sines, layout and the work
-        return cls(fn, args, ptr(bias), model.rope, work)
+            (w_in, s_in, b_in), (w_out, s_out, b_out), (w_fc, s_fc, b_fc), (
+                w_proj, s_proj, b_proj) = linears[4 * i:4 * i + 4]
+            n1, n2 = layer.norm1, layer.norm2
+            layers.append(_Layer(
+                rows=rows, c=c.dim, hkv=kv_heads, g=heads // kv_heads, d=d, f=ffn, cap=cap,
+                act=ACTIVATION_CODES[c.activation], quant=int(quant),
+                interleaved=int(model.rope is not None and model.rope.interleaved),
+                eps1=n1.eps, eps2=n2.eps, scale=1.0 / d ** 0.5,
+                ln1_w=ptr(n1.weight), ln1_b=ptr(n1.bias), ln2_w=ptr(n2.weight),
+                ln2_b=ptr(n2.bias), w_in=ptr(w_in), w_out=ptr(w_out), w_fc=ptr(w_fc),
+                w_proj=ptr(w_proj), s_in=ptr(s_in), s_out=ptr(s_out), s_fc=ptr(s_fc),
+                s_proj=ptr(s_proj), b_in=ptr(b_in), b_out=ptr(b_out), b_fc=ptr(b_fc),
+                b_proj=ptr(b_proj), keys=buffer(kc.keys), values=buffer(kc.values),
+                bias=buffer(bias), work=ptr(work), xq=ptr(xq), acc=ptr(acc), amax=ptr(amax)))
+        return cls(fn, layers, rows, model.rope, keep)
 
     def __call__(self, x: Tensor, t: int, rope_pos: Tensor | None) -> None:
-        """Run every layer on the row x (1, C) in place, writing cache slot t."""
+        """Run every layer on the rows x (R, C) fp32 contiguous, in place, writing cache slot
+        t (< the caches' capacity)."""
+        m = x.shape[0]
+        if m != self.rows or not x.is_contiguous():
+            raise ValueError(f"RowLayers: x must be ({self.rows}, C) contiguous, got "
+                             f"{tuple(x.shape)}")
         cs = sn = None
-        if rope_pos is not None:  # this position's cosines and sines (D/2,), every layer
-            cos, sin = self.rope.cos_sin(rope_pos.reshape(1), x.dtype)  # (1, D/2) each
+        if rope_pos is not None:  # each row's cosines and sines (R, D/2), every layer
+            pos = rope_pos.reshape(-1).expand(m)  # (R,)
+            cos, sin = self.rope.cos_sin(pos, x.dtype)  # (R, D/2) each, contiguous
             cs, sn = cos.data_ptr(), sin.data_ptr()
-        xp, fn, bias, work, inter = (x.data_ptr(), self.fn, self.bias, self.work.data_ptr(),
-                                     self.interleaved)
-        for pre, mid, post in self.args:
-            if fn(xp, *pre, t, *mid, bias, *post, cs, sn, inter, work):
-                raise RuntimeError("row_step_kernel: the layer call failed")
+        xp, fn = x.data_ptr(), self.fn
+        for layer in self._addresses:
+            if fn(layer, xp, m, t, cs, sn):
+                raise RuntimeError(f"row_step_kernel: the layer call failed (slot {t})")
