@@ -17,13 +17,7 @@ from qkv.generation import fast_gpt
 from qkv.generation.fast_gpt import FastGPTStepper
 from qkv.generation.steppers import GPTStepper
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/generation/conftest.py
 
 
 def _poison(cache) -> None:

@@ -33,12 +33,7 @@ VARIANTS = [dict(), dict(positions="rope", num_kv_heads=2), dict(num_kv_heads=1,
 VARIANT_IDS = ["learned", "rope-gqa", "mqa-nobias", "1-layer-relu", "3-layer-rope"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/generation/conftest.py
 
 
 _gpt = tiny_gpt

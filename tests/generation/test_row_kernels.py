@@ -24,13 +24,7 @@ from qkv.generation.fast_gpt import FastGPTStepper
 F32 = dict(atol=2e-4, rtol=2e-5)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The C paths run when torch runs on one thread (as under xdist)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/generation/conftest.py
 
 
 def _kernels_or_skip() -> None:
