@@ -1,24 +1,28 @@
-"""An optional C kernel for the one-row fp32 decode step (``fast_gpt``): a whole pre-norm GPT
-layer in one call — layer norm, the fused q/k/v projection, the new key/value into the cache
-slot, attention over the cache, out-projection + residual, layer norm, feed-forward with its
-activation, + residual.
+"""An optional C kernel for the lean decode steps (``fast_gpt`` at one fp32 row, ``fast_int8``
+at any number of rows): a whole pre-norm GPT layer in one call — layer norm, the fused q/k/v
+projection, RoPE, the new key/value into the cache slot, attention over the cache,
+out-projection + residual, layer norm, feed-forward with its activation, + residual.
 
-Shapes: C width, H heads, Hkv key/value heads, g = H / Hkv, D head dim, P = (H + 2·Hkv)·D,
-F feed-forward width, cap the cache's capacity, S = t + 1 keys.
+Shapes: R rows, C width, H heads, Hkv key/value heads, g = H / Hkv, D head dim,
+P = (H + 2·Hkv)·D, F feed-forward width, cap the cache's capacity, S = t + 1 keys.
 
-At one row the step's weight reads are one call of ``gemv_kernel`` each; what remained was
-~13 layer norms, 12 cache copies, 6 activations and their Python dispatch, ~0.6 ms of a
-~4.2 ms token here. This kernel runs them in C between the GEMVs (``gemv_kernel``'s source
-and ``attention_kernel``'s, compiled together with it), so Python calls it once per layer.
+At one row a decode step is bound by reading every weight once, and what torch's ops add
+around the products (~13 layer norms, 12 cache copies, 6 activations and their Python
+dispatch) was ~0.6 ms of a ~4.2 ms fp32 token here. This kernel runs all of it in C around
+the products (``gemv_kernel``'s for fp32 weights, ``int8_kernel``'s for int8 ones; their
+sources and ``attention_kernel``'s are compiled together with it), so Python calls it once
+per layer. Each row is computed on its own (norms, int8 activation scale, attention): a row
+gives the same numbers alone as in a batch.
 
 The math is the modules': ``LayerNorm`` ((x - mean) / sqrt(var + eps) · w + b, biased
-variance, two passes), ``addmm``'s products in ``gemv_kernel``'s order, attention as
-``attention_kernel``, the activations by their formulas (``relu``; ``gelu``:
-0.5·x·(1 + erf(x/√2)); ``gelu_tanh``: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))); ``silu``:
-x / (1 + exp(-x))) — another rounding order than torch's vectorised ones, |diff| ~1e-7
+variance, two passes, double accumulators), the products in their kernels' order, attention
+as ``attention_kernel``, RoPE's rotation (both pair layouts) with ``RoPE.cos_sin``'s angles,
+the activations by their formulas (``relu``; ``gelu``: 0.5·x·(1 + erf(x/√2)); ``gelu_tanh``:
+0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))); ``silu``: x / (1 + exp(-x)); ``quick_gelu``:
+x / (1 + exp(-1.702·x))) — another rounding order than torch's vectorised ops, |diff| ~1e-7
 relative (fp32). Compiled on first use (``cc -O3 -march=native``, cached; ``c_kernels``),
-loaded with ``ctypes``; any failure leaves ``load()`` None and the step on its per-op path.
-``QKV_ROW_KERNEL=0`` turns it off. fp32 only; single-threaded.
+loaded with ``ctypes``; any failure leaves ``load()`` None and the steps on torch's ops.
+``QKV_ROW_KERNEL=0`` turns it off. fp32 activations; single-threaded.
 """
 
 from __future__ import annotations
@@ -45,11 +49,11 @@ _state: dict[str, object] = {}  # "fn": the loaded function or None once tried
 _LAYER = r"""
 static void layer_norm_row(const float *x, int64_t c, const float *w, const float *b,
                            float eps, float *y) {
-    float mean = 0.0f, var = 0.0f;
-    for (int64_t i = 0; i < c; i++) mean += x[i];
-    mean /= (float)c;
-    for (int64_t i = 0; i < c; i++) { float z = x[i] - mean; var += z * z; }
-    float rstd = 1.0f / sqrtf(var / (float)c + eps);
+    double sum = 0.0, sq = 0.0;
+    for (int64_t i = 0; i < c; i++) sum += x[i];
+    float mean = (float)(sum / (double)c);
+    for (int64_t i = 0; i < c; i++) { double z = (double)x[i] - mean; sq += z * z; }
+    float rstd = (float)(1.0 / sqrt(sq / (double)c + (double)eps));
     for (int64_t i = 0; i < c; i++) {
         float z = (x[i] - mean) * rstd;
         if (w) z *= w[i];
