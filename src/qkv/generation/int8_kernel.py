@@ -41,14 +41,18 @@ SOURCE = r"""
 static void quantize_rows(const float *x, int64_t m, int64_t k, int8_t *xq, float *a) {
     for (int64_t r = 0; r < m; r++) {
         const float *xr = x + r * k;
-        float mx = 0.0f;
-        int nan = 0;
+        /* max |x| over the bit patterns: for |x| as uint32 the order is the float order,
+           and a NaN is above +inf (an integer max, which vectorises) */
+        uint32_t top = 0;
         for (int64_t i = 0; i < k; i++) {
-            float v = fabsf(xr[i]);
-            nan |= (v != v);
-            mx = v > mx ? v : mx;
+            uint32_t u;
+            __builtin_memcpy(&u, xr + i, sizeof u);
+            u &= 0x7FFFFFFFu;
+            top = u > top ? u : top;
         }
-        if (nan) mx = NAN;
+        float mx;
+        __builtin_memcpy(&mx, &top, sizeof mx);
+        if (top > 0x7F800000u) mx = NAN;
         if (mx < 1.17549435e-38f) mx = 1.17549435e-38f;
         a[r] = mx;
         int8_t *qr = xq + r * k;
@@ -56,7 +60,8 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, int8_t *xq, floa
             for (int64_t i = 0; i < k; i++) qr[i] = 0;
             continue;
         }
-        for (int64_t i = 0; i < k; i++) qr[i] = (int8_t)lrintf((127.0f * xr[i]) / mx);
+        /* rintf: round half to even in the default mode, as lrintf (vectorises) */
+        for (int64_t i = 0; i < k; i++) qr[i] = (int8_t)(int32_t)rintf((127.0f * xr[i]) / mx);
     }
 }
 
