@@ -204,3 +204,33 @@ def test_one_row_through_the_c_layer(overrides, padded):
     assert torch.equal(fast, plain)
     assert torch.equal(fast, _uncached(model, ids, keep, 20))
     assert len(set(fast.flatten().tolist())) > 3
+
+
+@needs_kernel
+def test_int8_step_under_a_float64_default_dtype():
+    """The C layers read fp32 buffers: a float64 default dtype (the key bias and outputs
+    would be made in it) changes nothing — the same logits as under fp32."""
+    model = _model(positions="rope")
+    keep = torch.tensor([[0, 0, 1, 1, 1], [1] * 5], dtype=torch.bool)
+    ids = torch.randint(0, 256, (2, 5)).masked_fill(~keep, 0)
+    _, want = _decode(model, ids, keep, 6, kernel=True)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        _, got = _decode(model, ids, keep, 6, kernel=True)
+    finally:
+        torch.set_default_dtype(default)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, want)
+
+
+@needs_kernel
+def test_int8_wide_groups_decode_without_the_c_layer():
+    """More query heads per key/value head than the C attention takes (66 > MAX_GROUP):
+    the step keeps torch's attention and still equals the uncached forward."""
+    model = _model(dim=132, num_heads=66, num_kv_heads=1)
+    ids = torch.randint(0, 256, (1, 4))
+    with torch.inference_mode():
+        assert Int8GPTStepper(model, ids, None, 2).row_layers is None
+    fast, _ = _decode(model, ids, None, 8, kernel=True)
+    assert torch.equal(fast, _uncached(model, ids, None, 8))

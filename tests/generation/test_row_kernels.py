@@ -138,6 +138,27 @@ def test_model_built_under_inference_mode_generates():
         got = qkv.generate(model, ids, max_new_tokens=6)
         assert not torch.equal(got, before)
         assert torch.equal(got, qkv.generate(model, ids, max_new_tokens=6, use_cache=False))
+        model.lm_head.weight[1:-1].neg_()  # rows the sampled entries do not cover
+        again = qkv.generate(model, ids, max_new_tokens=6)
+        assert not torch.equal(again, got)
+        assert torch.equal(again, qkv.generate(model, ids, max_new_tokens=6, use_cache=False))
+
+
+def test_nan_passes_through_relu_as_in_torch():
+    """A NaN in the feed-forward stays NaN through the C kernel's ReLU (torch.relu keeps it):
+    the logits are NaN on both paths, not silently finite."""
+    _kernels_or_skip()
+    model = tiny_gpt(activation="relu")
+    with torch.no_grad():  # the last layer's FFN: the prefilled caches stay finite
+        model.layers[-1].ffn.fc_in.bias[0] = float("nan")
+    ids = torch.randint(3, 48, (1, 4))
+    with torch.inference_mode():
+        stepper = FastGPTStepper(model, ids, None, 2)
+        assert stepper.row_layers is not None
+        stepper.prefill()
+        got = stepper.step(torch.tensor([5]))
+        want = model(torch.cat((ids, torch.tensor([[5]])), dim=1))[:, -1]
+    assert bool(want.isnan().all()) and bool(got.isnan().all())
 
 
 def test_row_step_past_the_cache_raises():

@@ -148,9 +148,10 @@ def _linear_weights(model: GPT) -> list[Tensor]:
 
 
 def _stamp(w: Tensor) -> tuple:
-    # an inference tensor (a model built under inference_mode) has no version counter: its
-    # in-place edits are caught by the samples alone
-    version = None if w.is_inference() else w._version
+    # an inference tensor (a model built under inference_mode) has no version counter: a
+    # checksum of all its entries stands in (one read of the weights per generate call)
+    version = (float(torch.sum(w, dtype=torch.float64)) if w.is_inference()
+               else w._version)
     return (w.data_ptr(), version, tuple(w.shape), w.dtype, w.device)
 
 

@@ -66,7 +66,11 @@ class Int8GPTStepper:
             and epilogue), the LM head one ``int8_kernel`` call: True (an error when they
             cannot be built here), False (the torch ops of ``int8_linear`` and the model's
             math), None (default: the kernels when they build and load, else the torch ops).
-            The same math; the rounding of norms and attention differs (see above).
+            True requires ``int8_kernel``; the layer kernel runs where it builds too (not
+            under ``QKV_ROW_KERNEL=0`` or ``QKV_ATTN_KERNEL=0``, nor for more than
+            ``attention_kernel.MAX_GROUP`` query heads per kv head), else each int8 layer is
+            one ``int8_kernel`` call between torch's ops. The same math; the rounding of norms
+            and attention differs (see above).
     """
 
     def __init__(self, model: GPT, ids: Tensor, keep: Tensor | None,
@@ -128,8 +132,9 @@ class Int8GPTStepper:
                                layer.ffn.fc_out)]
         self.row_bias = None
         if keep is not None:
-            bias = torch.zeros(self.rows, self.kv_heads, 1, capacity)  # (R, Hkv, 1, S)
-            bias[:, :, 0, :keep.shape[1]] = torch.zeros(()).masked_fill(
+            bias = torch.zeros(self.rows, self.kv_heads, 1, capacity,
+                               dtype=torch.float32)  # (R, Hkv, 1, S)
+            bias[:, :, 0, :keep.shape[1]] = torch.zeros((), dtype=torch.float32).masked_fill(
                 ~keep[:, None, :], float("-inf"))
             self.row_bias = bias.view(self.rows * self.kv_heads, 1, capacity)
         return RowLayers.build(model, linears, self.cache, self.row_bias, quant=True)
@@ -156,13 +161,14 @@ class Int8GPTStepper:
         widest_n = max(m.out_features for m in model.modules() if type(m) is QuantizedLinear)
         self.xq = torch.empty(rows, widest_k, dtype=torch.int8)  # (R, K) scratch
         self.acc = torch.empty(rows, widest_n, dtype=torch.int32)  # (R, N) scratch
-        self.amax = torch.empty(rows)  # (R,) scratch
+        self.amax = torch.empty(rows, dtype=torch.float32)  # (R,) scratch
         self.scratch = (self.xq.data_ptr(), self.acc.data_ptr(), self.amax.data_ptr())
         self.klayers = []
         for lyr in model.layers:
             a, f = lyr.attn, lyr.ffn
-            proj = torch.empty(rows, a.in_proj.out_features)  # (R, (H + 2·Hkv)·D)
-            hidden = torch.empty(rows, f.fc_in.out_features)  # (R, F)
+            proj = torch.empty(rows, a.in_proj.out_features,
+                               dtype=torch.float32)  # (R, (H + 2·Hkv)·D)
+            hidden = torch.empty(rows, f.fc_in.out_features, dtype=torch.float32)  # (R, F)
             self.klayers.append((layer(a.in_proj, proj), layer(a.out_proj, None),
                                  layer(f.fc_in, hidden), layer(f.fc_out, None)))
         self.khead = layer(model.lm_head, None)
@@ -174,7 +180,7 @@ class Int8GPTStepper:
         if res is not None:
             out = res  # the C loop reads res[j] before it writes y[j]: in place is exact
         elif out is None:
-            out = torch.empty(x.shape[0], n)
+            out = torch.empty(x.shape[0], n, dtype=torch.float32)
         xq, acc, amax = self.scratch
         self.kernel(x.data_ptr(), x.shape[0], k, w, n, s, b,
                     None if res is None else res.data_ptr(), out.data_ptr(), xq, acc, amax)

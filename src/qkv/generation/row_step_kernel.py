@@ -66,7 +66,7 @@ static void activate(float *f, int64_t n, int act) {
     for (int64_t i = 0; i < n; i++) {
         float x = f[i];
         switch (act) {
-        case 0: f[i] = x > 0.0f ? x : 0.0f; break;
+        case 0: f[i] = (x > 0.0f || x != x) ? x : 0.0f; break; /* NaN stays NaN, as torch.relu */
         case 1: f[i] = 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); break;
         case 2: f[i] = 0.5f * x * (1.0f + tanhf(0.79788456080286536f
                                                * (x + 0.044715f * x * x * x))); break;
@@ -238,13 +238,20 @@ class RowLayers:
         c = model.config
         fn = load()
         rows = cache[0].keys.shape[0]
-        if fn is None or c.activation not in ACTIVATION_CODES or (rows != 1 and not quant):
+        heads, kv_heads = c.num_heads, c.num_kv_heads or c.num_heads
+        if (fn is None or attention_kernel.disabled() or c.activation not in ACTIVATION_CODES
+                or (rows != 1 and not quant)
+                or heads // kv_heads > attention_kernel.MAX_GROUP):
             return None
         keep: list[Tensor] = []
+        weight_dtype = torch.int8 if quant else torch.float32
 
-        def ptr(t: Tensor | None) -> int | None:
+        def ptr(t: Tensor | None, dtype: torch.dtype = torch.float32) -> int | None:
             if t is None:
                 return None
+            if t.dtype != dtype or t.device.type != "cpu":  # the C code reads raw memory
+                raise TypeError(f"RowLayers: expected a {dtype} CPU tensor, got {t.dtype} on "
+                                f"{t.device}")
             t = t.detach().contiguous()
             keep.append(t)
             return t.data_ptr()
@@ -254,14 +261,15 @@ class RowLayers:
                 raise ValueError("RowLayers: caches and the key bias must be contiguous")
             return ptr(t)
 
-        heads, kv_heads, d = c.num_heads, c.num_kv_heads or c.num_heads, c.head_dim
+        d = c.head_dim
         cap = cache[0].keys.shape[2]
         ffn = model.layers[0].ffn.fc_in.out_features
-        work = torch.empty(work_floats(rows, c.dim, heads, kv_heads, d, ffn, cap))
+        work = torch.empty(work_floats(rows, c.dim, heads, kv_heads, d, ffn, cap),
+                           dtype=torch.float32)
         widest = max(c.dim, heads * d, ffn, (heads + 2 * kv_heads) * d)
         xq = torch.empty(rows * widest, dtype=torch.int8)
         acc = torch.empty(rows * widest, dtype=torch.int32)
-        amax = torch.empty(rows)
+        amax = torch.empty(rows, dtype=torch.float32)
         layers = []
         for i, (layer, kc) in enumerate(zip(model.layers, cache, strict=True)):
             (w_in, s_in, b_in), (w_out, s_out, b_out), (w_fc, s_fc, b_fc), (
@@ -273,20 +281,22 @@ class RowLayers:
                 interleaved=int(model.rope is not None and model.rope.interleaved),
                 eps1=n1.eps, eps2=n2.eps, scale=1.0 / d ** 0.5,
                 ln1_w=ptr(n1.weight), ln1_b=ptr(n1.bias), ln2_w=ptr(n2.weight),
-                ln2_b=ptr(n2.bias), w_in=ptr(w_in), w_out=ptr(w_out), w_fc=ptr(w_fc),
-                w_proj=ptr(w_proj), s_in=ptr(s_in), s_out=ptr(s_out), s_fc=ptr(s_fc),
+                ln2_b=ptr(n2.bias), w_in=ptr(w_in, weight_dtype),
+                w_out=ptr(w_out, weight_dtype), w_fc=ptr(w_fc, weight_dtype),
+                w_proj=ptr(w_proj, weight_dtype), s_in=ptr(s_in), s_out=ptr(s_out), s_fc=ptr(s_fc),
                 s_proj=ptr(s_proj), b_in=ptr(b_in), b_out=ptr(b_out), b_fc=ptr(b_fc),
                 b_proj=ptr(b_proj), keys=buffer(kc.keys), values=buffer(kc.values),
-                bias=buffer(bias), work=ptr(work), xq=ptr(xq), acc=ptr(acc), amax=ptr(amax)))
+                bias=buffer(bias), work=ptr(work), xq=ptr(xq, torch.int8),
+                acc=ptr(acc, torch.int32), amax=ptr(amax)))
         return cls(fn, layers, rows, model.rope, keep)
 
     def __call__(self, x: Tensor, t: int, rope_pos: Tensor | None) -> None:
         """Run every layer on the rows x (R, C) fp32 contiguous, in place, writing cache slot
         t (< the caches' capacity)."""
         m = x.shape[0]
-        if m != self.rows or not x.is_contiguous():
-            raise ValueError(f"RowLayers: x must be ({self.rows}, C) contiguous, got "
-                             f"{tuple(x.shape)}")
+        if m != self.rows or not x.is_contiguous() or x.dtype != torch.float32:
+            raise ValueError(f"RowLayers: x must be ({self.rows}, C) fp32 contiguous, got "
+                             f"{tuple(x.shape)} {x.dtype}")
         cs = sn = None
         if rope_pos is not None:  # each row's cosines and sines (R, D/2), every layer
             pos = rope_pos.reshape(-1).expand(m)  # (R,)
