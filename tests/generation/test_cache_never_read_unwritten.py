@@ -17,7 +17,7 @@ from qkv.generation import fast_gpt
 from qkv.generation.fast_gpt import FastGPTStepper
 from qkv.generation.steppers import GPTStepper
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/generation/conftest.py
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _poison(cache) -> None:

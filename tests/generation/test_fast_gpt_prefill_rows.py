@@ -33,7 +33,7 @@ VARIANTS = [dict(), dict(positions="rope", num_kv_heads=2), dict(num_kv_heads=1,
 VARIANT_IDS = ["learned", "rope-gqa", "mqa-nobias", "1-layer-relu", "3-layer-rope"]
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/generation/conftest.py
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 _gpt = tiny_gpt

@@ -24,7 +24,7 @@ from qkv.generation.fast_gpt import FastGPTStepper
 F32 = dict(atol=2e-4, rtol=2e-5)
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/generation/conftest.py
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _kernels_or_skip() -> None:
