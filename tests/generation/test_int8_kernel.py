@@ -108,6 +108,19 @@ def _mostly_equal(fast_logits: torch.Tensor, plain_logits: torch.Tensor) -> None
     assert (worst <= 1e-4).float().mean() >= 0.8, worst
 
 
+def _kernel_step_agrees(model, ids, keep) -> torch.Tensor:
+    """20 greedy steps with the kernels: tokens == the torch-ops step's == the uncached
+    forward's (and varied), logits ``_mostly_equal`` to the torch-ops step's; returns the
+    kernel step's logits (T - 1, R, V)."""
+    fast, fast_logits = _decode(model, ids, keep, 20, kernel=True)
+    plain, plain_logits = _decode(model, ids, keep, 20, kernel=False)
+    _mostly_equal(fast_logits, plain_logits)
+    assert torch.equal(fast, plain)
+    assert torch.equal(fast, _uncached(model, ids, keep, 20))
+    assert len(set(fast.flatten().tolist())) > 3
+    return fast_logits
+
+
 @needs_kernel
 @pytest.mark.parametrize("overrides", [{}, {"positions": "rope", "num_kv_heads": 2},
                                        {"activation": "relu", "bias": False,
@@ -122,16 +135,11 @@ def test_step_with_kernel_equals_rows_alone_plain_step_and_uncached_forward(over
     keep = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1], [0] * 5 + [1]], dtype=torch.bool)
     ids = torch.randint(0, 256, (3, 6)).masked_fill(~keep, 0)
     for k in (None, keep):
-        fast, fast_logits = _decode(model, ids, k, 20, kernel=True)
+        fast_logits = _kernel_step_agrees(model, ids, k)
         for r in range(3):
             _, alone = _decode(model, ids[r:r + 1], None if k is None else k[r:r + 1], 20,
                                kernel=True)
             assert torch.equal(fast_logits[:, r], alone[:, 0])
-        plain, plain_logits = _decode(model, ids, k, 20, kernel=False)
-        _mostly_equal(fast_logits, plain_logits)
-        assert torch.equal(fast, plain)
-        assert torch.equal(fast, _uncached(model, ids, k, 20))
-        assert len(set(fast.flatten().tolist())) > 3
 
 
 @needs_kernel
@@ -198,12 +206,7 @@ def test_one_row_through_the_c_layer(overrides, padded):
     with torch.inference_mode():
         assert Int8GPTStepper(model, ids, keep, 2).row_layers is not None
         assert Int8GPTStepper(model, ids, keep, 2, kernel=False).row_layers is None
-    fast, fast_logits = _decode(model, ids, keep, 20, kernel=True)
-    plain, plain_logits = _decode(model, ids, keep, 20, kernel=False)
-    _mostly_equal(fast_logits, plain_logits)
-    assert torch.equal(fast, plain)
-    assert torch.equal(fast, _uncached(model, ids, keep, 20))
-    assert len(set(fast.flatten().tolist())) > 3
+    _kernel_step_agrees(model, ids, keep)
 
 
 @needs_kernel
