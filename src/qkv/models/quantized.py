@@ -97,7 +97,7 @@ def _check_model(model: Any, mode: Any) -> None:
                     and isinstance(w, Tensor) and w.dim() == 2):
                 raise ValueError(f"quantize: {name}.{attr} is a {type(lin).__name__} standing "
                                  f"in for an nn.Linear (an unmerged adapter); merge the "
-                                 f"adapters first (qkv.peft.merge(model)) and quantize the "
+                                 f"adapters into the weights first and quantize the "
                                  f"result")
     for name, p in [*model.named_parameters(), *model.named_buffers()]:
         if p.is_floating_point() and p.dtype != torch.float32:
@@ -109,7 +109,7 @@ def _check_model(model: Any, mode: Any) -> None:
 
 
 #: the attributes that hold a projection in qkv's modules and models (attention, feed-forward,
-#: LM head); a wrapper put there from outside (qkv.peft's LoRA) is refused, not skipped
+#: LM head); a wrapper put there from outside (an adapter) is refused, not skipped
 _PROJECTIONS = ("in_proj", "q_proj", "kv_proj", "out_proj", "fc_in", "fc_out", "lm_head")
 
 

@@ -35,9 +35,9 @@ def project_rows(proj: nn.Module, x: Tensor, start: int, stop: int) -> Tensor:
     """Output rows [start, stop) of a fused projection: x (..., Cin) -> (..., stop - start),
     ``x @ W[start:stop]ᵀ + b[start:stop]`` without computing the other rows.
 
-    ``proj`` is an ``nn.Linear``, or a module standing in for one (``qkv.peft``'s LoRA
-    wrapper) that defines its own ``project_rows(x, start, stop)``: every row-block use of a
-    fused projection goes through here, so such a module sees all of them.
+    ``proj`` is an ``nn.Linear``, or a module standing in for one (an adapter wrapper such
+    as a LoRA linear) that defines its own ``project_rows(x, start, stop)``: every row-block
+    use of a fused projection goes through here, so such a module sees all of them.
     A plain ``nn.Linear`` (``is_plain_linear``) goes through ``qkv.ops.fast_linear``.
     """
     own = getattr(proj, "project_rows", None)
@@ -251,8 +251,8 @@ class MultiHeadAttention(nn.Module):
                 integers; default ``cache.length + arange(N)`` (``arange(N)`` without cache).
             prefix: self-attention only: a callable ``(k, v, mask, cache) -> (k, v, mask)``
                 applied to the keys/values (B, Hkv, S, D) after the rotation and the cache
-                write, just before the attention core; ``qkv.peft`` prefix tuning prepends
-                its learned keys/values with it (S grows by the prefix length P).
+                write, just before the attention core; prefix tuning prepends its learned
+                keys/values with it (S grows by the prefix length P).
 
         Returns:
             out (B, N, C), or ``(out, weights)`` with weights (B, H, N, S) when
@@ -306,7 +306,7 @@ class MultiHeadAttention(nn.Module):
                                  "rope module (pass rope= to the constructor)")
             if cache is not None:
                 k, v = cache.append(k, v)  # (B, Hkv, S, D), S = cache length
-            if prefix is not None:  # prefix tuning (qkv.peft): (B, Hkv, P + S, D)
+            if prefix is not None:  # prefix tuning: (B, Hkv, P + S, D)
                 k, v, mask = prefix(k, v, mask, cache)
         out = attention(q, k, v, mask=mask, bias=bias, causal=causal,
                         dropout_p=self.dropout if self.training else 0.0,
@@ -332,14 +332,14 @@ class MultiHeadAttention(nn.Module):
         """(Wq (H·D, C), Wk (Hkv·D, Ckv), Wv (Hkv·D, Ckv), (bq, bk, bv) or Nones).
 
         Raises ValueError when a projection is not a plain ``nn.Linear`` (an unmerged
-        ``qkv.peft`` LoRA wrapper computes more than its ``weight``)."""
+        adapter wrapper computes more than its ``weight``)."""
         for name in ("in_proj", "q_proj", "kv_proj", "out_proj"):
             proj = getattr(self, name, None)
             if proj is not None and type(proj) is not nn.Linear:
                 raise ValueError(f"MultiHeadAttention: {name} is a {type(proj).__name__}, whose "
-                                 f"output is not its weight alone (an unmerged LoRA adapter); "
-                                 f"call qkv.peft.merge(model) first, or export inside "
-                                 f"qkv.peft.disable_adapters(model) for the base weights")
+                                 f"output is not its weight alone (an unmerged adapter); "
+                                 f"merge the adapters into the weights first, or export with "
+                                 f"them disabled for the base weights")
         if self.in_proj is not None:
             ws = self.in_proj.weight.split(self._splits, dim=0)
             bs = ((None,) * 3 if self.in_proj.bias is None
@@ -402,7 +402,7 @@ class MultiHeadAttention(nn.Module):
 
         Grouped-query heads are expanded (each kv head's weights repeated for its query
         heads), which is exact. Refused (ValueError) with a ``rope`` module, which torch's
-        module cannot express, and with an unmerged ``qkv.peft`` LoRA (``merge`` first).
+        module cannot express, and with an unmerged adapter wrapper (merge it first).
         """
         if self.rope is not None:
             raise ValueError("MultiHeadAttention.to_torch: a module with rope= has no "

@@ -6,7 +6,7 @@ Shapes: M rows (all leading dims of x together), K = ``in_features``, N = ``out_
 The one rule every projection of ``qkv.modules`` follows: a module that is exactly
 ``nn.Linear`` (not a subclass), with no hooks (its own or global) and no ``forward`` set on
 the instance, computes nothing but ``x @ weight.T + bias``, so its weight may be handed to
-``fast_linear``. Anything else — a ``qkv.peft`` LoRA wrapper, a quantized linear, FSDP's
+``fast_linear``. Anything else — an adapter wrapper (LoRA), a quantized linear, FSDP's
 (class-swapped) module, a module with hooks or parametrizations — is called as a module,
 unchanged. Under TorchScript tracing and ``torch.compile`` the module is called too.
 """
