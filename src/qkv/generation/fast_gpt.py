@@ -85,8 +85,9 @@ from ..ops import fast_linear as _fast_linear
 from . import attention_kernel, gemv_kernel
 from .row_step_kernel import RowLayers
 
-__all__ = ["PACKED_MIN_WEIGHTS", "FastGPTStepper", "eligible", "packed_weights", "packing_works",
-           "plain_gpt", "prefill_rows", "release", "transposed_weights", "use_packed"]
+__all__ = ["PACKED_MIN_WEIGHTS", "FastGPTStepper", "eligible", "linear_layers", "packed_weights",
+           "packing_works", "plain_gpt", "prefill_rows", "release", "transposed_weights",
+           "use_packed"]
 
 # GPTConfig fields this step implements (any value); another field with a non-default value
 # (a variant added later) sends the model to the generic stepper.
@@ -138,13 +139,17 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # model -> {kind: (stamp, samples, weights)}, kind "t" (transposed) or "packed" (oneDNN)
 
 
+def linear_layers(model: GPT) -> list[nn.Module]:
+    """The projections of every layer in the order the lean steps keep them: in_proj,
+    out_proj, fc_in, fc_out per layer (4·L modules; the LM head not included)."""
+    return [m for layer in model.layers
+            for m in (layer.attn.in_proj, layer.attn.out_proj, layer.ffn.fc_in,
+                      layer.ffn.fc_out)]
+
+
 def _linear_weights(model: GPT) -> list[Tensor]:
     """The (out, in) weights of every linear layer, in order, then the LM head's (V, C)."""
-    ws = []
-    for layer in model.layers:
-        ws += [layer.attn.in_proj.weight, layer.attn.out_proj.weight, layer.ffn.fc_in.weight,
-               layer.ffn.fc_out.weight]
-    return [*ws, model.lm_head.weight]
+    return [m.weight for m in linear_layers(model)] + [model.lm_head.weight]
 
 
 def _stamp(w: Tensor) -> tuple:
@@ -424,9 +429,8 @@ class FastGPTStepper:
         if rows == 1 and self.attn_kernel is not None and not self.packed:
             self.row_gemv = gemv_kernel.load()
             if self.row_gemv is not None:
-                linears = [(wt[4 * i + j], None, m.bias) for i, layer in enumerate(model.layers)
-                           for j, m in enumerate((layer.attn.in_proj, layer.attn.out_proj,
-                                                  layer.ffn.fc_in, layer.ffn.fc_out))]
+                linears = [(w, None, m.bias)
+                           for w, m in zip(wt[:-1], linear_layers(model), strict=True)]
                 self.row_layers = RowLayers.build(model, linears, self.cache,
                                                   self.bias if self.beta else None, quant=False)
 

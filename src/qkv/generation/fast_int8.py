@@ -36,7 +36,7 @@ from ..modules.cache import KVCache
 from ..modules.feedforward import ACTIVATIONS
 from ..modules.quantized import QuantizedLinear, int8_linear, scale127
 from . import int8_kernel
-from .fast_gpt import plain_gpt
+from .fast_gpt import linear_layers, plain_gpt
 from .row_step_kernel import RowLayers
 
 __all__ = ["Int8GPTStepper", "eligible"]
@@ -118,18 +118,16 @@ class Int8GPTStepper:
                                "not 0)")
         self.row_layers = self.row_bias = None
         if self.kernel is not None:
-            self._prepare_kernel(model)
             # each layer one C call for all rows (``row_step_kernel``: int8 products, norms,
-            # RoPE, cache writes and attention in C)
+            # RoPE, cache writes and attention in C); else one int8_kernel call per layer
             self.row_layers = self._row_layers(model, keep, n + max_new_tokens)
+            self._prepare_kernel(model, per_layer=self.row_layers is None)
 
     def _row_layers(self, model: GPT, keep: Tensor | None, capacity: int) -> RowLayers | None:
         """``RowLayers`` over the int8 weights as stored, with the additive key bias
         (R·Hkv, 1, S) of a padded batch (-inf at the pads) or None."""
         linears = [(lin.weight_int8, scale127(lin.weight_scale), lin.bias)
-                   for layer in model.layers
-                   for lin in (layer.attn.in_proj, layer.attn.out_proj, layer.ffn.fc_in,
-                               layer.ffn.fc_out)]
+                   for lin in linear_layers(model)]
         self.row_bias = None
         if keep is not None:
             bias = torch.zeros(self.rows, self.kv_heads, 1, capacity,
@@ -139,9 +137,9 @@ class Int8GPTStepper:
             self.row_bias = bias.view(self.rows * self.kv_heads, 1, capacity)
         return RowLayers.build(model, linears, self.cache, self.row_bias, quant=True)
 
-    def _prepare_kernel(self, model: GPT) -> None:
-        """Raw pointers of every int8 layer's tensors and of preallocated outputs/scratch
-        (the tensors are kept alive by this object)."""
+    def _prepare_kernel(self, model: GPT, *, per_layer: bool) -> None:
+        """Raw pointers of the LM head's tensors (and with ``per_layer`` every int8 layer's)
+        and of preallocated outputs/scratch (the tensors are kept alive by this object)."""
         rows = self.rows
         self.keep_alive = []
 
@@ -164,7 +162,7 @@ class Int8GPTStepper:
         self.amax = torch.empty(rows, dtype=torch.float32)  # (R,) scratch
         self.scratch = (self.xq.data_ptr(), self.acc.data_ptr(), self.amax.data_ptr())
         self.klayers = []
-        for lyr in model.layers:
+        for lyr in model.layers if per_layer else ():
             a, f = lyr.attn, lyr.ffn
             proj = torch.empty(rows, a.in_proj.out_features,
                                dtype=torch.float32)  # (R, (H + 2·Hkv)·D)

@@ -41,9 +41,6 @@ static inline vf16 load16(const float *p) { vf16 x; __builtin_memcpy(&x, p, size
 static inline void store16(float *p, vf16 x) { __builtin_memcpy(p, &x, sizeof x); }
 
 #define ROWS 8 /* weight rows streamed together */
-#ifndef PREFETCH
-#define PREFETCH 1
-#endif
 
 /* y (n) = res + b + x (k) @ w (k, n), w row-major (in, out). b and res may be NULL; res may
    be y itself (an in-place residual); x must not overlap y. */
@@ -59,7 +56,7 @@ int qkv_gemv(const float *x, const float *w, const float *b, const float *res, f
         for (int r = 0; r < ROWS; r++) xs[r] = x[i + r];
         const float *ahead = i + 2 * ROWS <= k ? wi + ROWS * n : NULL; /* the next rows */
         for (int64_t o = 0; o < nv; o += 16) {
-            if (PREFETCH && ahead)
+            if (ahead)
                 for (int r = 0; r < ROWS; r++) __builtin_prefetch(ahead + r * n + o);
             vf16 acc = load16(y + o);
             for (int r = 0; r < ROWS; r++) acc += xs[r] * load16(wi + r * n + o);

@@ -38,7 +38,7 @@ from ..modules.cache import KVCache
 from . import attention_kernel, gemv_kernel, int8_kernel
 from .c_kernels import env_off, load_function
 
-__all__ = ["ACTIVATION_CODES", "RowLayers", "disabled", "load", "work_floats"]
+__all__ = ["ACTIVATION_CODES", "RowLayers", "disabled", "load"]
 
 ACTIVATION_CODES = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3, "quick_gelu": 4}
 """The feed-forward activations the kernel computes, by ``GPTConfig.activation`` name."""
@@ -175,7 +175,7 @@ class _Layer(ctypes.Structure):
                     "keys", "values", "bias", "work", "xq", "acc", "amax")])
 
 
-def work_floats(rows: int, width: int, heads: int, kv_heads: int, head_dim: int, ffn: int,
+def _work_floats(rows: int, width: int, heads: int, kv_heads: int, head_dim: int, ffn: int,
                 capacity: int) -> int:
     """Floats of the ``work`` buffer ``qkv_decode_layer`` needs for ``rows`` rows."""
     hd = heads * head_dim
@@ -264,7 +264,7 @@ class RowLayers:
         d = c.head_dim
         cap = cache[0].keys.shape[2]
         ffn = model.layers[0].ffn.fc_in.out_features
-        work = torch.empty(work_floats(rows, c.dim, heads, kv_heads, d, ffn, cap),
+        work = torch.empty(_work_floats(rows, c.dim, heads, kv_heads, d, ffn, cap),
                            dtype=torch.float32)
         widest = max(c.dim, heads * d, ffn, (heads + 2 * kv_heads) * d)
         xq = torch.empty(rows * widest, dtype=torch.int8)
