@@ -14,6 +14,8 @@ Tolerances (``TOL``) are stated once, in one table, and quoted at each use.
 
 from __future__ import annotations
 
+import faulthandler
+import os
 import zlib
 from collections.abc import Callable
 
@@ -54,6 +56,36 @@ def pytest_configure(config) -> None:
     threads each on two cores made small-op tests 20–40× slower on a loaded machine."""
     if hasattr(config, "workerinput"):
         torch.set_num_threads(1)
+    _WATCHDOG["stderr"] = os.dup(2)
+
+
+# --------------------------------------------------------------------------- hangs
+
+#: pytest-timeout (pyproject.toml: ``timeout``) fails a test that runs too long, with its
+#: stack, through SIGALRM; a hang inside native code that holds the GIL (a C++ destructor
+#: joining a thread, say) never returns to Python, so the signal's handler cannot run. Past
+#: its timeout + NATIVE_GRACE_S, faulthandler's watchdog thread (C, no GIL) dumps every
+#: thread's stack to the terminal and ends the worker: one failed test ("worker crashed"),
+#: never a CI run that waits out its limit.
+NATIVE_GRACE_S = 60
+_WATCHDOG: dict[str, int] = {}
+
+
+def _timeout_of(item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    return float(item.config.getini("timeout") or 300)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    faulthandler.dump_traceback_later(_timeout_of(item) + NATIVE_GRACE_S, exit=True,
+                                      file=_WATCHDOG.get("stderr", 2))
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture
@@ -64,6 +96,51 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------ thread-local state
+
+def _thread_state() -> dict[str, object]:
+    """What a test could leave installed on this thread for the tests after it (modes and
+    hooks are captured into every later collective's thread-local state: the gloo hang)."""
+    return {
+        "torch function modes": torch._C._len_torch_function_stack(),
+        "torch dispatch modes": torch._C._len_torch_dispatch_stack(),
+        "saved-tensor hooks": torch._C._autograd._top_saved_tensors_default_hooks(True)
+        is not None,
+        "grad enabled": torch.is_grad_enabled(),
+        "inference mode": torch.is_inference_mode_enabled(),
+        "default dtype": torch.get_default_dtype(),
+        "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+    }
+
+
+def _restore_thread_state(before: dict[str, object]) -> None:
+    while torch._C._len_torch_function_stack() > before["torch function modes"]:
+        torch._C._pop_torch_function_stack()
+    while torch._C._len_torch_dispatch_stack() > before["torch dispatch modes"]:
+        torch._C._pop_torch_dispatch_stack()
+    while (not before["saved-tensor hooks"]
+           and torch._C._autograd._top_saved_tensors_default_hooks(True) is not None):
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    torch.set_grad_enabled(before["grad enabled"])
+    torch.set_default_dtype(before["default dtype"])
+    torch.use_deterministic_algorithms(before["deterministic algorithms"])
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_thread_state():
+    """Fail the test that leaves a mode, hook or global autograd/dtype setting behind (and
+    put it back, so that the tests after it run as they would alone)."""
+    before = _thread_state()
+    yield
+    after = _thread_state()
+    leaked = {k: (before[k], after[k]) for k in before if after[k] != before[k]}
+    if leaked:
+        _restore_thread_state(before)
+        pytest.fail("the test left thread-local state behind (before -> after): "
+                    + "; ".join(f"{k}: {b} -> {a}" for k, (b, a) in leaked.items()),
+                    pytrace=False)
 
 
 # ---------------------------------------------------------------------------- seeding

@@ -376,6 +376,7 @@ def _column(run: Path, name: str) -> list[float]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)  # its subprocesses' own limits, with room
 def test_two_gloo_processes_match_one(tmp_path):
     """Each rank holds half the pairs and gathers the other half's features with gradients:
     the logged losses (the count arithmetic), the gradient norms (DDP's average of the

@@ -35,6 +35,7 @@ def step_losses(run: Path) -> list[float]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.timeout(660)  # its subprocesses' own limits, with room
 def test_two_gloo_processes_match_one(tmp_path, model):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args = [*ARGS, *MODELS[model]]

@@ -29,7 +29,7 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120.0) -> None
     deadline = time.monotonic() + timeout
     while not path.exists():
         if proc.poll() is not None:
-            raise AssertionError(f"the child exited early: {proc.communicate()}")
+            raise AssertionError(f"the child exited early: {proc.communicate(timeout=30)}")
         if time.monotonic() > deadline:
             proc.kill()
             raise AssertionError("the child never got ready")
@@ -145,6 +145,7 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(420)  # its subprocesses' own limits, with room
 def test_every_torchrun_rank_stops_when_the_lock_is_refused(tmp_path):
     """Rank 0 is refused the lock: both ranks exit with an error (no rank waits forever at a
     collective), and nothing is written."""
@@ -206,6 +207,7 @@ def test_locking_a_file_its_holder_just_deleted_is_not_holding_the_lock(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(420)  # its subprocesses' own limits, with room
 def test_two_runs_started_together_on_one_directory(tmp_path):
     """The review's race: two `qkv train --out RUN` at once, on different tasks. Exactly one
     trains; the other is refused with one line; the directory is one run's, consistently."""

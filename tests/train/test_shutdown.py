@@ -135,6 +135,7 @@ if trainer.group_outlives_run:  # what the qkv command does (qkv.cli.train._end_
 @pytest.mark.slow
 @pytest.mark.skipif(not TASKS.is_dir(), reason="needs /proc (Linux)")
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.timeout(420)  # its subprocesses' own limits, with room
 def test_two_processes_free_the_group_under_ddp_and_say_so_under_fsdp(tmp_path, mode):
     """Under torchrun: after a DDP run the trainer dropped its wrapper and leaving the group
     joined gloo's workers on both ranks; after a sharded run the group outlives the run

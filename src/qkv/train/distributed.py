@@ -21,12 +21,20 @@ references (a DDP wrapper) after the barrier, so that the group is freed and its
 joined there, and says whether that happened. A sharded (FSDP2) model cannot give the group
 back (torch's DTensor caches keep it for the process's life): the ``qkv train`` command then
 ends its process with ``os._exit`` after a successful run (``qkv.cli.train``).
+
+Freeing a gloo group must also never deadlock (pytorch/pytorch#56297's kind): the group's
+destructor joins its worker threads while holding the GIL (pybind11 does not release it there),
+and a worker that is still destroying a finished collective's work may need the GIL to drop a
+Python object captured in that work's thread-local state. ``teardown_world`` therefore waits,
+with the GIL released, until every gloo worker thread sleeps idle (``settle_gloo_workers``)
+before torch's references to the group go, whatever the caller drops later.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,7 +44,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["TIMEOUT_ENV", "World", "all_reduce_sum", "barrier", "broadcast_object",
-           "dist_timeout", "resolve_device", "setup_world", "teardown_world"]
+           "dist_timeout", "resolve_device", "settle_gloo_workers", "setup_world",
+           "teardown_world"]
 
 
 #: environment variable: the process group's collective timeout in seconds (default 600)
@@ -148,11 +157,79 @@ def teardown_world(world: World, *, clean: bool = True,
         release()
     else:
         release = None
+    # before the last reference can go (here or in whatever the caller drops later): no gloo
+    # worker may still be finishing work that needs the GIL (see the module docstring)
+    settle_gloo_workers(timeout_s=SETTLE_TIMEOUT_S if met else 2.0)
     dist.destroy_process_group()
     if release is None:
         return False
     gc.collect()  # a sharded model's modules and hooks form cycles
     return group() is None
+
+
+#: how long ``teardown_world`` waits for gloo's workers to go idle (seconds)
+SETTLE_TIMEOUT_S = 30.0
+_GLOO_WORKER = "pt_gloo_runloop"  # the thread name gloo's worker threads carry
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}
+_FUTEX_WAIT_BITSET = 9  # glibc's condition-variable wait; a mutex wait is FUTEX_WAIT (0)
+
+
+def _worker_states() -> list[str] | None:
+    """``/proc/self/task/*/syscall`` of gloo's worker threads, or None where that cannot be
+    read (not Linux, an unknown architecture)."""
+    futex = _SYS_FUTEX.get(os.uname().machine) if hasattr(os, "uname") else None
+    tasks = "/proc/self/task"
+    if futex is None or not os.path.isdir(tasks):
+        return None
+    states = []
+    for tid in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{tid}/comm") as f:
+                if f.read().strip() != _GLOO_WORKER:
+                    continue
+            with open(f"{tasks}/{tid}/syscall") as f:
+                states.append(f.read().strip())
+        except OSError:  # a thread that just ended, or no permission
+            continue
+    return states
+
+
+def _idle(state: str) -> bool:
+    """A gloo worker asleep on its work queue: in ``futex(addr, FUTEX_WAIT_BITSET, ...)`` with
+    no timeout. A worker waiting for the GIL waits with a timeout (CPython's take_gil), one
+    waiting for the queue's mutex uses FUTEX_WAIT; a running one is in no syscall."""
+    fields = state.split()
+    futex = _SYS_FUTEX.get(os.uname().machine)
+    try:
+        return (len(fields) >= 5 and int(fields[0]) == futex
+                and int(fields[2], 16) & 0x7F == _FUTEX_WAIT_BITSET and int(fields[4], 16) == 0)
+    except ValueError:
+        return False
+
+
+def settle_gloo_workers(*, timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
+    """Wait, with the GIL released, until every gloo worker thread of this process sleeps idle
+    on its work queue: then dropping a group's last reference (whose destructor joins those
+    threads while holding the GIL) cannot deadlock with a worker that needs the GIL to finish
+    destroying a collective's work. Two idle readings in a row, 1 ms apart, count.
+
+    Returns True when settled (or when there are no gloo workers), False after ``timeout_s``
+    seconds; where thread states cannot be read (not Linux) it waits 0.2 s and returns False.
+    """
+    states = _worker_states()
+    if states is None:
+        time.sleep(0.2)  # let any worker take the GIL and finish
+        return False
+    deadline = time.monotonic() + timeout_s
+    calm = 0
+    while True:
+        calm = calm + 1 if all(_idle(s) for s in states) else 0
+        if calm >= 2:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)  # releases the GIL: a worker waiting for it finishes now
+        states = _worker_states() or []
 
 
 def all_reduce_sum(x: torch.Tensor, world: World) -> torch.Tensor:
