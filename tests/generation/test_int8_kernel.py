@@ -1,8 +1,10 @@
 """The optional fused C int8 layer (``qkv.generation.int8_kernel``): bit-equal to the torch
 ops of ``qkv.modules.quantized.int8_linear`` (K with a tail past the 64-byte blocks, several
-rows, with and without a bias, a residual, zero and NaN rows); the int8 decode step with it
-(every layer one C call, ``row_step_kernel``): each row as alone, bit for bit, its tokens ==
-the torch-ops step's == the quantized model's uncached greedy forward; and the fallbacks."""
+rows, with and without a bias, a residual, zero and NaN rows, activations on exact .5 ties),
+both for the build for this CPU and for the portable build (the plain C loops); the int8
+decode step with it (every layer one C call, ``row_step_kernel``): each row as alone, bit for
+bit, its tokens == the torch-ops step's == the quantized model's uncached greedy forward; and
+the fallbacks."""
 
 from __future__ import annotations
 
@@ -18,26 +20,45 @@ from qkv.modules.quantized import int8_linear, quantize_weight, scale127
 KERNEL = int8_kernel.load()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the int8 kernel cannot be built here "
                                   "(no C compiler, or QKV_INT8_KERNEL=0)")
+# the build for this CPU (its VNNI branch where the CPU has it) and the one that keeps the
+# plain C loops whatever the CPU (-DQKV_PORTABLE): both checked against the torch ops
+BUILDS = {"native": KERNEL,
+          "portable": None if KERNEL is None else
+          int8_kernel._load("qkv_int8_linear", portable=True)}
+builds = pytest.mark.parametrize("build", list(BUILDS))
 
 
-def _call(x, wq, s127, bias, res=None):
-    """The C function on torch tensors: x (M, K) -> (M, N) (+ res, in place)."""
+def _call(x, wq, s127, bias, res=None, build="native"):
+    """The C function (of ``build``) on torch tensors: x (M, K) -> (M, N) (+ res, in
+    place)."""
+    fn = BUILDS[build]
+    if fn is None:
+        pytest.skip(f"the {build} build of the int8 kernel cannot be made here")
     m, k = x.shape
     n = wq.shape[0]
     y = res if res is not None else torch.empty(m, n)
     xq = torch.empty(m, k, dtype=torch.int8)
     acc = torch.empty(m, n, dtype=torch.int32)
     amax = torch.empty(m)
-    KERNEL(x.data_ptr(), m, k, wq.data_ptr(), n, s127.data_ptr(),
-           None if bias is None else bias.data_ptr(), None if res is None else res.data_ptr(),
-           y.data_ptr(), xq.data_ptr(), acc.data_ptr(), amax.data_ptr())
+    fn(x.data_ptr(), m, k, wq.data_ptr(), n, s127.data_ptr(),
+       None if bias is None else bias.data_ptr(), None if res is None else res.data_ptr(),
+       y.data_ptr(), xq.data_ptr(), acc.data_ptr(), amax.data_ptr())
     return y
 
 
 @needs_kernel
+def test_portable_build_has_no_vnni_branch():
+    """The portable build compiles the plain C loops (the VNNI branch is what the native
+    build compiles on a CPU with AVX-512 VNNI), so the tests below cover both."""
+    assert int8_kernel._load("qkv_int8_vnni", portable=True)() == 0
+    assert int8_kernel._load("qkv_int8_vnni")() in (0, 1)
+
+
+@needs_kernel
+@builds
 @pytest.mark.parametrize("m,k,n", [(1, 384, 1152), (1, 1536, 384), (3, 17, 5), (2, 130, 9),
                                    (5, 64, 77), (4, 1, 3), (1, 203, 113)])
-def test_kernel_bit_equal_to_the_torch_ops(m, k, n):
+def test_kernel_bit_equal_to_the_torch_ops(m, k, n, build):
     torch.manual_seed(0)
     w = torch.randn(n, k) * torch.rand(n, 1)
     wq, s = quantize_weight(w)
@@ -48,19 +69,55 @@ def test_kernel_bit_equal_to_the_torch_ops(m, k, n):
             x[1] = 0.0  # a zero row: the bias alone
         for bias in (b, None):
             want = int8_linear(x, wq.t(), s127, bias)
-            assert torch.equal(_call(x, wq, s127, bias), want)
+            assert torch.equal(_call(x, wq, s127, bias, build=build), want)
         res = torch.randn(m, n)
         want = int8_linear(x, wq.t(), s127, b) + res
-        assert torch.equal(_call(x, wq, s127, b, res=res), want)  # written into res
+        assert torch.equal(_call(x, wq, s127, b, res=res, build=build), want)  # into res
+
+
+def _ties(k: int, scales: list[float]) -> torch.Tensor:
+    """(len(scales), k) rows whose 127·x/a lands exactly on .5 ties: row r holds
+    ±127·2^j (its max, so a = 127·2^j) and (i + 0.5)·2^j for i in [-127, 126], shuffled
+    (every product and quotient is exact in fp32)."""
+    halves = torch.arange(-127, 127, dtype=torch.float32) + 0.5  # (254,)
+    rows = []
+    for r, j in enumerate(scales):
+        g = torch.Generator().manual_seed(r)
+        row = halves[torch.randint(0, 254, (k,), generator=g)]
+        row[int(torch.randint(0, k, (1,), generator=g))] = 127.0 if r % 2 == 0 else -127.0
+        rows.append(row * 2.0 ** j)
+    return torch.stack(rows)
 
 
 @needs_kernel
-def test_kernel_nan_row_gives_nan_and_leaves_the_others():
+@builds
+@pytest.mark.parametrize("k", [254, 64, 17])
+def test_kernel_rounds_ties_half_to_even(k, build):
+    """Activations on exact .5 ties after scaling (where round-half-even and
+    round-half-away differ): the kernel equals the torch ops (``torch.round``: half to
+    even) bit for bit, and half-away rounding would have changed the outputs."""
+    x = _ties(k, [0.0, -3.0, 5.0])  # (3, k)
+    v = 127.0 * x / x.abs().amax(dim=1, keepdim=True)
+    assert int((v.frac().abs() == 0.5).sum()) >= 2 * k  # the ties are there
+    torch.manual_seed(1)
+    wq, s = quantize_weight(torch.randn(9, k))
+    s127, b = scale127(s), torch.randn(9)
+    want = int8_linear(x, wq.t(), s127, b)
+    away = torch.addcmul(b, (torch.sign(v) * torch.floor(v.abs() + 0.5)) @ wq.t().float(),
+                         x.abs().amax(dim=1, keepdim=True) * s127)
+    assert not torch.equal(away, want)  # the tie rule shows in the outputs
+    assert torch.equal(_call(x, wq, s127, b, build=build), want)
+    assert torch.equal(_call(x, wq, s127, None, build=build), int8_linear(x, wq.t(), s127, None))
+
+
+@needs_kernel
+@builds
+def test_kernel_nan_row_gives_nan_and_leaves_the_others(build):
     wq, s = quantize_weight(torch.randn(4, 70))
     x = torch.randn(2, 70)
     x[0, 3] = float("nan")
     b = torch.randn(4)
-    y = _call(x, wq, scale127(s), b)
+    y = _call(x, wq, scale127(s), b, build=build)
     assert bool(y[0].isnan().all())
     assert torch.equal(y[1], int8_linear(x[1:], wq.t(), scale127(s), b)[0])
 

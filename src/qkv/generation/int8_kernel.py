@@ -5,11 +5,12 @@ the epilogue ``acc·(a·s/127) + b`` (+ a residual), where the plain path runs ~
 Shapes: M rows, K input features, N output features.
 
 The C source below is compiled on first use (about one second) and loaded by
-``qkv.generation.c_kernels``. With AVX-512 VNNI it
-uses ``vpdpbusd`` on |xq| and the weight with xq's signs (exact: |xq|, |Wq| ≤ 127); elsewhere
-plain C loops. The math is ``qkv.modules.quantized.int8_linear``'s, operation for operation
-(the same rounding of ``127·x/a``, the int32 sum is exact, the same fp32 epilogue), so the
-outputs equal the plain path's (the tests check it bit for bit on this machine).
+``qkv.generation.c_kernels``. With AVX-512 VNNI it uses ``vpdpbusd`` on |xq| and the weight
+with xq's signs (exact: |xq|, |Wq| ≤ 127); elsewhere (or built with ``-DQKV_PORTABLE``, as
+the tests also do) plain C loops. The math is ``qkv.modules.quantized.int8_linear``'s,
+operation for operation (the same rounding of ``127·x/a``, half to even, the int32 sum is
+exact, the same fp32 epilogue), so the outputs equal the plain path's (the tests check both
+builds bit for bit, .5 ties included).
 
 Any failure (no compiler, a compile error, a load error) leaves ``load()`` returning None and
 the caller on the plain torch path. ``QKV_INT8_KERNEL=0`` turns it off.
@@ -31,7 +32,8 @@ SOURCE = r"""
 #include <stdint.h>
 #include <math.h>
 #include <stddef.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if !defined(QKV_PORTABLE) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define QKV_VNNI 1
 #endif
@@ -175,9 +177,22 @@ def load():
     kernel is turned off or cannot be built or loaded here. Built once per process."""
     if disabled():
         return None
+    return _load("qkv_int8_linear")
+
+
+def _load(symbol: str, *, portable: bool = False):
+    """``symbol`` (``qkv_int8_linear``, or ``qkv_int8_vnni``: 1 when the VNNI branch was
+    compiled) of the build for this CPU, or with ``portable`` of the build that keeps the
+    plain C loops whatever the CPU (``-DQKV_PORTABLE``; for the tests); None when it cannot
+    be built or loaded. Each built once per process."""
+    # "fn": the one load() hands out
+    key = "fn" if (symbol, portable) == ("qkv_int8_linear", False) else (symbol, portable)
     with _lock:
-        if "fn" not in _state:
+        if key not in _state:
             p, i = ctypes.c_void_p, ctypes.c_int64
-            _state["fn"] = load_function(SOURCE, "int8-linear", "qkv_int8_linear",
-                                         [p, i, i, p, i, p, p, p, p, p, p, p])
-        return _state["fn"]
+            argtypes = [p, i, i, p, i, p, p, p, p, p, p, p] if symbol == "qkv_int8_linear" \
+                else []
+            _state[key] = load_function(SOURCE, "int8-linear-portable" if portable
+                                        else "int8-linear", symbol, argtypes,
+                                        flags=("-DQKV_PORTABLE",) if portable else ())
+        return _state[key]
