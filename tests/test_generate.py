@@ -180,7 +180,9 @@ def test_fast_step_not_used_for_dropout_in_training_or_half():
     assert not eligible(_gpt(dtype=torch.bfloat16))
 
 
-def test_transposed_weights_are_reused_and_invalidated():
+def test_transposed_weights_are_fresh_copies_of_the_weights_now():
+    """Each call copies the weights as they are (nothing kept with the model): an edit in
+    place, even behind the version counter, is in the next copy and the next generate."""
     model = _gpt(dtype=torch.float32)
     ids, mask = _prompts()
 
@@ -192,30 +194,21 @@ def test_transposed_weights_are_reused_and_invalidated():
 
     first = check()
     kept = fast_gpt.transposed_weights(model)
-    assert fast_gpt.transposed_weights(model) is kept  # reused while unchanged
+    again = fast_gpt.transposed_weights(model)
+    assert all(a is not b and a.data_ptr() != b.data_ptr() and torch.equal(a, b)
+               for a, b in zip(kept, again, strict=True))
+    assert all(torch.equal(t, w.t()) for t, w in zip(
+        kept, [m.weight for m in fast_gpt.linear_layers(model)] + [model.lm_head.weight],
+        strict=True))
     with torch.no_grad():
         model.layers[0].ffn.fc_in.weight.mul_(-1.0)  # in place: version counter
-    assert fast_gpt.transposed_weights(model) is not kept
+    assert torch.equal(fast_gpt.transposed_weights(model)[2], -kept[2])
     assert not torch.equal(check(), first)
-    kept = fast_gpt.transposed_weights(model)
-    model.lm_head.weight.data.normal_()  # through .data: no version bump, caught by samples
-    assert fast_gpt.transposed_weights(model) is not kept
+    model.lm_head.weight.data[5:9].normal_()  # through .data: no version bump
+    assert torch.equal(fast_gpt.transposed_weights(model)[-1], model.lm_head.weight.t())
     check()
     model.load_state_dict(_gpt(dtype=torch.float32).state_dict())
     assert torch.equal(check(), first)
-    fast_gpt.release(model)
-    assert model not in fast_gpt._PLANS
-
-
-def test_transposed_weights_die_with_the_model():
-    import gc
-
-    model = _gpt(dtype=torch.float32)
-    fast_gpt.transposed_weights(model)
-    before = len(fast_gpt._PLANS)
-    del model
-    gc.collect()
-    assert len(fast_gpt._PLANS) == before - 1
 
 
 # --- equivalences ------------------------------------------------------------------------

@@ -143,22 +143,26 @@ def test_dispatch_rows_dtype_switch():
         assert not FastGPTStepper(model, ids, None, 3).packed
 
 
-def test_packed_weights_are_reused_and_invalidated():
+def test_packed_weights_are_fresh_copies_of_the_weights_now():
+    """Each call packs the weights as they are: an edit behind the version counter is in
+    the next packing and the next step (copies of one generate call: nothing kept)."""
     model = _gpt()
     with torch.inference_mode():
         kept = fast_gpt.packed_weights(model)
-        assert fast_gpt.packed_weights(model) is kept  # reused while unchanged
+        assert fast_gpt.packed_weights(model)[0] is not kept[0]
     with torch.no_grad():
-        model.layers[1].ffn.fc_out.weight.data[-1, -1] += 1.0  # behind the version counter
+        model.layers[1].ffn.fc_out.weight.data[5, 7] += 1.0  # behind the version counter
     ids, keep = _prompts()
     with torch.inference_mode():
-        assert fast_gpt.packed_weights(model) is not kept
         stepper = FastGPTStepper(model, ids, keep, 2)
+        assert stepper.packed
         got = stepper.prefill()
         want = model(ids, attention_mask=keep)[:, -1]
+        step = stepper.step(want.argmax(dim=-1))
+        full = model(torch.cat((ids, want.argmax(dim=-1)[:, None]), dim=1),
+                     attention_mask=torch.cat((keep, torch.ones_like(keep[:, :1])), dim=1))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    fast_gpt.release(model)
-    assert model not in fast_gpt._PLANS
+    torch.testing.assert_close(step, full[:, -1], atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(positions="rope", num_kv_heads=2)],

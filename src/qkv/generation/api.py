@@ -88,8 +88,9 @@ def _check_args(num_beams, length_penalty, do_sample, temperature, top_k, top_p,
             ("temperature", temperature, 1.0), ("top_k", top_k, None), ("top_p", top_p, None))
             if v != default]
         if unused:
-            raise ValueError(f"generate: {', '.join(unused)} only apply when sampling; pass "
-                             f"do_sample=True")
+            names = " and ".join([", ".join(unused[:-1]), unused[-1]] if unused[1:] else unused)
+            raise ValueError(f"generate: {names} {'apply' if unused[1:] else 'applies'} only "
+                             f"when sampling; pass do_sample=True")
 
 
 def _check_ids(input_ids: Any) -> Tensor:
@@ -190,11 +191,12 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
     Beam search follows HuggingFace's ``generate(num_beams=K)`` with its default
     ``early_stopping=False`` heuristic (see ``qkv.generation.search.beam_search``); with the
     same weights it returns HF's tokens. Decoding runs under ``torch.inference_mode()``; a
-    plain ``GPT`` decodes through a lean single-token step (``qkv.generation.fast_gpt``) that
-    keeps copies of its linear weights alive with the model after the first call: transposed
-    ones for fewer than 4 rows, oneDNN-packed ones (fp32) from 4 rows on (each set about the
-    size of those weights; dropped when a weight changes or the model is freed;
-    ``qkv.generation.fast_gpt.release(model)`` frees them now).
+    plain ``GPT`` decodes through a lean single-token step (``qkv.generation.fast_gpt``) on
+    copies of its linear weights made by this call from the weights as they are now and
+    freed when it returns: transposed ones for fewer than 4 rows, oneDNN-packed ones (fp32)
+    from 4 rows on (each set about the size of those weights). Nothing is kept between
+    calls: a weight edited in any way (even in place through ``.data`` or numpy) is decoded
+    as edited by the next call.
 
     Raises:
         TypeError for a model of another kind or an argument of the wrong type; ValueError
@@ -336,7 +338,7 @@ def _generate_seq2seq(model, src, attention_mask, max_new_tokens, num_beams, len
             segments = [[row[k].tolist(), [start]] for row, k in zip(src, keep, strict=True)]
             new = _lookup(stepper, segments, lookup, max_new_tokens, eos, pad, src.device)
         else:
-                new = _search(stepper, src.shape[0], num_beams, max_new_tokens, length_penalty,
+            new = _search(stepper, src.shape[0], num_beams, max_new_tokens, length_penalty,
                           do_sample, temperature, top_k, top_p, eos, pad, generator,
                           src.device)
         first = torch.full((src.shape[0], 1), start, dtype=torch.long, device=src.device)

@@ -6,9 +6,9 @@ Shapes: R rows, N prompt length, n tokens fed per row per call, t tokens already
 s = t + n, C width, H heads, Hkv kv heads, g = H / Hkv, D head dim, V vocab size.
 
 The math is ``GPT.forward`` with a cache, written as ``qkv.generation.fast_gpt``'s
-single-token step (whose ``eligible`` decides when it applies and whose transposed (in, out)
-weight copies it shares) but for n tokens per row: a causal (bottom-right) and padding mask
-over the cached + new keys, positions per row.
+single-token step (whose ``eligible`` decides when it applies; its (in, out) weight copies
+made afresh by each stepper, i.e. each ``generate`` call) but for n tokens per row: a causal
+(bottom-right) and padding mask over the cached + new keys, positions per row.
 
 The stepper writes the caches' buffers itself (``KVCache.keys[:, :, t:s]``) and keeps its own
 ``length``; ``rewind(length)`` drops positions (prompt lookup's rejected draft tokens) — the

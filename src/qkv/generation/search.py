@@ -72,7 +72,14 @@ def filter_logits(logits: Tensor, *, temperature: float, top_k: int | None,
                   top_p: float | None) -> Tensor:
     """Sampling filters, in HuggingFace's order: logits (R, V) / temperature, then keep the
     ``top_k`` largest, then the smallest set of most likely tokens whose probability reaches
-    ``top_p`` (at least one token). Dropped tokens get -inf. Returns fp32 (R, V)."""
+    ``top_p`` (at least one token). Dropped tokens get -inf. Returns fp32 (R, V).
+
+    Top-p runs HF's ``TopPLogitsWarper``'s ops, so that the kept set is HF's also where the
+    cumulative probability lands exactly on ``top_p`` (there fp32 rounding decides, e.g.
+    4/9, 2/9, 2/9, 1/9 at 6/9 keeps 2): the probabilities sorted ascending (stable: of tied
+    tokens the later id ranks higher, as HF's on CPU), their cumulative sum from the least
+    likely, every token whose sum is <= 1 - top_p dropped — the least likely tokens of total
+    mass at most 1 - top_p, so the kept ones reach top_p."""
     scores = logits.float()
     if temperature != 1.0:
         scores = scores / temperature
@@ -80,10 +87,10 @@ def filter_logits(logits: Tensor, *, temperature: float, top_k: int | None,
         kth = scores.topk(top_k, dim=-1).values[:, -1:]  # (R, 1)
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
-        sorted_scores, order = scores.sort(dim=-1, descending=True)  # (R, V)
-        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = (cum - sorted_scores.softmax(dim=-1)) >= top_p  # mass before >= p
-        drop_sorted[:, 0] = False
+        sorted_scores, order = scores.sort(dim=-1, stable=True)  # (R, V) ascending
+        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)  # mass of this and less likely
+        drop_sorted = cum <= 1.0 - top_p  # the rest (>= top_p) is kept
+        drop_sorted[:, -1] = False  # the most likely token always stays
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     return scores
