@@ -3,6 +3,9 @@
 Times are the median of ``repeat`` runs after one warm-up. Peak memory is measured in a fresh
 subprocess as the peak resident memory during the call above the resident memory before it
 (inputs allocated), with the high-water mark reset first (``peak_growth_mib``).
+
+Every script prints ``cpu_line()`` in its header: the CPU's model name and vector extensions
+(machines differ between runs, and a figure means little without them).
 """
 
 from __future__ import annotations
@@ -17,6 +20,18 @@ import time
 from collections.abc import Callable
 
 from qkv.bench import peak_growth_mib  # noqa: F401  (re-exported: one implementation, shared with `qkv bench`)
+from qkv.train.precision import cpu_description
+
+
+def cpu_line() -> str:
+    """The header line naming the CPU a benchmark ran on, e.g. "cpu: Intel(R) Xeon(R)
+    Processor (x86_64; amx_bf16 ... avx512_bf16 ... fma)"."""
+    return f"cpu: {cpu_description()}"
+
+
+def print_cpu() -> None:
+    """Print ``cpu_line()`` (every benchmark's header has it)."""
+    print(cpu_line())
 
 
 def median_time(fn: Callable[[], object], repeat: int = 3, warmup: int = 1) -> float:

@@ -18,7 +18,13 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from benchmarks._harness import median_time, peak_growth_in_subprocess, peak_growth_mib, print_table
+from benchmarks._harness import (
+    median_time,
+    peak_growth_in_subprocess,
+    peak_growth_mib,
+    print_cpu,
+    print_table,
+)
 
 CASES = {
     "sdpa causal (torch)": "torch SDPA, is_causal=True",
@@ -76,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(measure(args.measure, args.n, args.repeat, args.train)))
         return
     print(f"command: python -m benchmarks.bench_attention {' '.join(sys.argv[1:])}")
+    print_cpu()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, B=1 H=8 N=S={args.n} "
           f"D=64 fp32")
     modes = [("forward (inference_mode)", False)]

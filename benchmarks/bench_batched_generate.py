@@ -38,7 +38,7 @@ import tempfile
 
 import torch
 
-from benchmarks._harness import load_average, print_table, side_by_side
+from benchmarks._harness import load_average, print_cpu, print_table, side_by_side
 from qkv import generate
 from qkv.generation.fast_gpt import packing_works
 from qkv.models import GPT
@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     print("command: python -m benchmarks.bench_batched_generate "
           + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)))
     b, n, t = args.batch, args.prompt, args.tokens
+    print_cpu()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 CPU; B={b} "
           f"N={n} ({'unpadded' if args.no_padding else 'left-padded'}) T={t} C={args.dim} "
           f"L={args.layers} H={args.heads} V={args.vocab}, greedy, {args.clock} clock; load "

@@ -23,7 +23,7 @@ import tempfile
 
 import torch
 
-from benchmarks._harness import print_table, side_by_side
+from benchmarks._harness import print_cpu, print_table, side_by_side
 from qkv.models.bert import BERT, BERTConfig
 
 
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
 
     print("command:", shlex.join([sys.executable, "-m", "benchmarks.bench_bert", *argv]))
+    print_cpu()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"{'quick' if args.quick else args.preset}: C={config.dim} L={config.num_layers} "
           f"H={config.num_heads} F={config.ffn_hidden}; B={args.batch} N={args.seq} fp32 "

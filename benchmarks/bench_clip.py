@@ -49,7 +49,7 @@ import tempfile
 
 import torch
 
-from benchmarks._harness import load_average, print_table, side_by_side
+from benchmarks._harness import load_average, print_cpu, print_table, side_by_side
 from qkv.models import CLIP
 from qkv.ops.fast_linear import onednn_linear, onednn_linear_active
 
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     print("command: python -m benchmarks.bench_clip " + shlex.join(sys.argv[1:] if argv is None
                                                                    else argv))
     print(f"load average {load_average()}")
+    print_cpu()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, B={args.batch}, "
           f"image {args.image}px patch {args.patch} (T={1 + (args.image // args.patch) ** 2}), "
           f"text N={args.text_len}, C={args.dim}, L={args.layers}, heads={args.heads}")

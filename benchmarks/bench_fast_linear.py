@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from benchmarks._harness import print_table, side_by_side
+from benchmarks._harness import print_cpu, print_table, side_by_side
 from qkv.ops.fast_linear import fast_linear, onednn_linear_active
 
 CASES = [  # (name, M, K, N)
@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     print("command: python -m benchmarks.bench_fast_linear "
           + shlex.join(sys.argv[1:] if argv is None else argv))
+    print_cpu()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"oneDNN linear active: {onednn_linear_active()}")
     rows = []

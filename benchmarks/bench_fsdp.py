@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks._harness import print_table
+from benchmarks._harness import print_cpu, print_table
 from qkv.models import GPT, GPTConfig
 
 WORLD = 2
@@ -222,6 +222,7 @@ def main() -> None:
     results = {mode: launch(mode, argv) for mode in ("ddp", "fsdp")}
     p = results["ddp"][0]["num_params"]
     print(f"python -m benchmarks.bench_fsdp {' '.join(sys.argv[1:])}")
+    print_cpu()
     print(f"GPT L={cfg.num_layers} C={cfg.dim} V={cfg.vocab_size}, P={p / 1e6:.1f}M, "
           f"B={args.batch} rows x T={args.seq} per rank, {WORLD} ranks (gloo, CPU, 1 thread "
           f"each), torch {torch.__version__}")

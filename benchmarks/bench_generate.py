@@ -48,7 +48,7 @@ import tempfile
 
 import torch
 
-from benchmarks._harness import alternate_times, load_average, print_table
+from benchmarks._harness import alternate_times, load_average, print_cpu, print_table
 from qkv import generate
 from qkv.generation import gemv_kernel
 from qkv.models import GPT
@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         layouts = tuple(lay for lay in layouts if lay != "qkv gemv_kernel(x, W_t)")
     print("command: python -m benchmarks.bench_generate "
           + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)))
+    print_cpu()
     print(f"torch {torch.__version__}, fp32 CPU; B=1 N={args.prompt} T={args.tokens} "
           f"C={args.dim} L={args.layers} H={args.heads} V={args.vocab}, greedy; {args.clock} "
           f"clock; load average at start {load_average()}")

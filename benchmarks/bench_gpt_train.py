@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks._harness import print_table, side_by_side
+from benchmarks._harness import print_cpu, print_table, side_by_side
 from qkv.models.gpt import GPT
 from qkv.models.hf_gpt2 import config_from_hf, convert_hf_state_dict
 
@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     print("command: python -m benchmarks.bench_gpt_train "
           + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)))
+    print_cpu()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 CPU; "
           f"B={args.batch} T={args.seq} C={args.dim} L={args.layers} H={args.heads} "
           f"V={args.vocab}, AdamW {args.adamw}")

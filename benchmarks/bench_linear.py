@@ -27,6 +27,7 @@ from benchmarks._harness import (
     median_time,
     peak_growth_in_subprocess,
     peak_growth_mib,
+    print_cpu,
     print_table,
     side_by_side,
 )
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(measure(args.measure, args.n, args.chunk, args.repeats)))
         return
     print(f"command: python -m benchmarks.bench_linear {' '.join(sys.argv[1:])}")
+    print_cpu()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, B={B} H={H} D=Dv={D} "
           f"fp32, forward under inference_mode, chunk C={args.chunk}")
 

@@ -38,6 +38,7 @@ from benchmarks._harness import (
     load_average,
     peak_growth_in_subprocess,
     peak_growth_mib,
+    print_cpu,
     print_table,
     side_by_side,
 )
@@ -159,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     print("command: python -m benchmarks.bench_lora "
           + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)))
+    print_cpu()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 CPU; "
           f"B={args.batch} T={args.seq} C={args.dim} L={args.layers} H={args.heads} "
           f"V={args.vocab}, r={args.rank}, alpha={2 * args.rank}; {args.clock} clock; "

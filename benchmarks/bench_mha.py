@@ -23,7 +23,7 @@ import sys
 import torch
 from torch import Tensor, nn
 
-from benchmarks._harness import print_table, side_by_side
+from benchmarks._harness import print_cpu, print_table, side_by_side
 from qkv.modules import MultiHeadAttention
 
 
@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, args.dtype)
 
     print("command:", shlex.join([sys.executable, "-m", "benchmarks.bench_mha", *argv]))
+    print_cpu()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; B={args.batch} "
           f"N={args.seq} C={args.dim} H={args.heads} {args.dtype}; median of {args.repeats} "
           f"(after {args.warmup} warm-up)")

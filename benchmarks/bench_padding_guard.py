@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 import qkv
-from benchmarks._harness import print_table
+from benchmarks._harness import print_cpu, print_table
 
 attention_module = importlib.import_module("qkv.ops.attention")  # not the function
 
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])
+    print_cpu()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), fp32 CPU, SDPA "
           f"backend, {repeats} alternating repeats; load average {load}")
     real = attention_module._clear_padding

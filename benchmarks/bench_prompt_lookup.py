@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._harness import print_table, side_by_side
+from benchmarks._harness import print_cpu, print_table, side_by_side
 from qkv.generation import api, complete, prompt_lookup, translate
 
 CASES = ("dates", "copy", "reverse", "text", "random")
@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     print("command: python -m benchmarks.bench_prompt_lookup "
           + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)))
+    print_cpu()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 CPU; k={args.k}, "
           f"{args.examples} inputs per run, batches {batches}, models trained {args.steps} "
           f"steps")

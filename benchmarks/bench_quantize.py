@@ -46,7 +46,7 @@ import time
 
 import torch
 
-from benchmarks._harness import print_table
+from benchmarks._harness import print_cpu, print_table
 from qkv import generate, quantize
 from qkv.generation import int8_kernel
 from qkv.generation.fast_int8 import Int8GPTStepper
@@ -268,6 +268,7 @@ def main(argv: list[str] | None = None) -> None:
         args.dates_steps, args.dates_examples, args.gpt_steps, args.gpt_batch = 5, 20, 5, 16
     print("command: python -m benchmarks.bench_quantize "
           + shlex.join(sys.argv[1:] if argv is None else argv))
+    print_cpu()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads available to torch")
     if "decode" not in args.skip:
         decode_speed(args)

@@ -18,7 +18,13 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from benchmarks._harness import median_time, peak_growth_in_subprocess, peak_growth_mib, print_table
+from benchmarks._harness import (
+    median_time,
+    peak_growth_in_subprocess,
+    peak_growth_mib,
+    print_cpu,
+    print_table,
+)
 
 CASES = {
     "dense causal SDPA (torch)": None,
@@ -87,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(measure(args.measure, args.n, args.train)))
         return
     print(f"command: python -m benchmarks.bench_sparse {' '.join(sys.argv[1:])}")
+    print_cpu()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, B=1 H=8 N=S={args.n} "
           f"D=64 fp32")
     live = {case: live_fraction(case, args.n) for case in CASES}

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from benchmarks._harness import print_table, side_by_side
+from benchmarks._harness import print_cpu, print_table, side_by_side
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         return step
 
     print(f"command: python -m benchmarks.bench_sparse_padding {' '.join(sys.argv[1:])}")
+    print_cpu()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, B=2 H=8 N=S={n} "
           f"D=64 fp32, lengths {lengths}")
     rows = []

@@ -1,6 +1,7 @@
 """Every benchmark script runs in --quick mode, so that none of them rots.
 
-Only that it runs and prints its table is checked: timings are never asserted.
+Only that it runs and prints its table, with the CPU it ran on in its header, is checked:
+timings are never asserted.
 """
 
 from __future__ import annotations
@@ -22,3 +23,7 @@ def test_benchmark_quick_mode_runs(script):
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "|" in result.stdout  # printed a table
+    # and the CPU it ran on, model name and vector extensions (benchmarks/_harness.cpu_line)
+    header = result.stdout.split("|", 1)[0]
+    assert any(line.startswith("cpu: ") and "(" in line for line in header.splitlines()), \
+        header[-2000:]

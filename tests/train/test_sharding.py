@@ -340,7 +340,12 @@ def test_checkpointed_model_keeps_its_state_dict_keys_and_inference():
         torch.testing.assert_close(model(ids), want, rtol=0, atol=0)
 
 
-def test_precision_policy():
+def test_precision_policy(monkeypatch):
+    from qkv.train.precision import CPUBF16, MatmulProbe
+
+    # a CPU without native bf16 (native ones train bf16: tests/train/test_bf16_cpu.py)
+    monkeypatch.setattr("qkv.train.precision.cpu_bf16", lambda: CPUBF16(
+        "no bf16", (), MatmulProbe(512, bf16_gflops=1.0, fp32_gflops=100.0)))
     assert precision_policy("fp32", "cpu") is None
     for p in ("bf16", "fp16"):
         with pytest.raises(ValueError, match=f"precision '{p}' on device 'cpu'"):

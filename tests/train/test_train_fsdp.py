@@ -4,8 +4,9 @@ Oracles: the plain one-process trainer (tested elsewhere against fp64 and torch.
 same global batch — its losses (metrics.jsonl) and final weights. FSDP, micro-batches and
 checkpointed layers only change the order of float sums: tolerances rel 1e-5 (FSDP across
 processes: reduce-scatter vs one process), rel 1e-6 (micro-batches in one process).
-A dead rank makes the other stop with an error (never a hang); bf16 on a CPU is refused in
-one line before anything is written; ``qkv export`` of a sharded run == ``load_run``.
+A dead rank makes the other stop with an error (never a hang); bf16 on a CPU without native
+bf16 is refused in one line before anything is written; ``qkv export`` of a sharded run ==
+``load_run``.
 """
 
 from __future__ import annotations
@@ -174,7 +175,16 @@ def test_batch_must_divide_by_processes_times_k(tmp_path, monkeypatch):
     assert not (tmp_path / "r").exists()
 
 
-def test_bf16_on_cpu_is_one_line_and_writes_nothing(tmp_path, capsys):
+def without_native_bf16(monkeypatch) -> None:
+    """Pretend a CPU without native bf16 (native ones train bf16: test_bf16_cpu.py)."""
+    from qkv.train.precision import CPUBF16, MatmulProbe
+
+    monkeypatch.setattr("qkv.train.precision.cpu_bf16", lambda: CPUBF16(
+        "no bf16", (), MatmulProbe(512, bf16_gflops=1.0, fp32_gflops=100.0)))
+
+
+def test_bf16_on_cpu_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    without_native_bf16(monkeypatch)
     out = tmp_path / "run"
     assert main(["train", *CLI, *MODELS["gpt"], "--steps", "1", "--precision", "bf16",
                  "--out", str(out)]) == 2
@@ -188,7 +198,8 @@ def test_bf16_on_cpu_is_one_line_and_writes_nothing(tmp_path, capsys):
     assert not out.exists()
 
 
-def test_bf16_forced_on_cpu_trains(tmp_path):
+def test_bf16_forced_on_cpu_trains(tmp_path, monkeypatch):
+    without_native_bf16(monkeypatch)
     with pytest.warns(UserWarning, match="forced"):
         trainer = Trainer(TrainConfig(**{**GPT, "precision": "bf16", "steps": 2}),
                           tmp_path / "run", force_precision=True, **quiet())
@@ -280,7 +291,7 @@ def _torchrun(args: list[str], out: Path, nproc: int) -> None:
            "--master-port", str(free_port()), "-m", "qkv.cli", *args]
     if nproc == 1:
         cmd = [sys.executable, "-m", "qkv.cli", *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
     # a finished run exits 0 on every rank (no gloo abort at shutdown: test_shutdown.py)
     assert done.returncode == 0, done.stderr[-3000:]
     if "--resume" not in args:
@@ -289,6 +300,7 @@ def _torchrun(args: list[str], out: Path, nproc: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt", "bert-mlm"])
+@pytest.mark.timeout(900)  # its subprocesses' own limits, with room
 def test_fsdp_two_processes_equal_one(tmp_path, model):
     """2 gloo processes with --fsdp == 1 plain process (losses, final weights, rel 1e-5);
     with --grad-accum 2 == K=1 (rel 1e-6); a 2-process run stopped at step 2 resumes on

@@ -119,11 +119,14 @@ class TrainConfig:
         activation_checkpointing: keep only each layer's input and recompute the layer in
             backward (non-reentrant ``torch.utils.checkpoint``): less memory, the same
             gradients, ~1/3 more compute. May change on resume.
-        precision: "fp32", or "bf16" (CUDA: parameters computed in bf16, fp32 master weights,
+        precision: "fp32", or "bf16" (parameters computed in bf16, fp32 master weights,
             optimizer state and gradient reductions; FSDP2's ``MixedPrecisionPolicy`` under
             ``fsdp``, ``torch.autocast`` otherwise). "fp16" is refused for training (it needs
-            loss scaling, which qkv train does not apply). bf16 on a CPU is refused unless
-            forced (``Trainer(force_precision=True)``): ~100x slower here. Fixed for a run.
+            loss scaling, which qkv train does not apply). bf16 runs on CUDA, and on a CPU
+            where it is native (``qkv.train.precision``: bf16 matmul instructions, and a
+            probe finding bf16 matmuls no slower than fp32); on another CPU it is refused,
+            with the probe's figures, unless forced (``Trainer(force_precision=True)``).
+            Fixed for a run.
 
     Every number is checked when the config is made (finite, in range, the right type);
     ``ConfigError`` (a ``ValueError``) names the field and its value.

@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -47,6 +46,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..modules.layers import DecoderLayer, EncoderLayer
 from .data import IGNORE
+from .precision import check_precision_device
 
 __all__ = ["LAYER_TYPES", "PRECISIONS", "accumulate_gradients", "apply_activation_checkpointing",
            "autocast", "find_layers", "grad_norm_", "is_sharded", "no_gradient_sync",
@@ -261,26 +261,21 @@ def precision_policy(precision: str, device: torch.device | str, *,
     "fp16" -> parameters all-gathered and computed in that dtype, gradients reduced in fp32,
     fp32 master weights and optimizer state (the sharded parameters stay fp32).
 
-    On a CPU, bf16/fp16 matmuls are far slower than fp32 (≈100× measured here) and buy no
-    memory for the fp32 master state, so they are refused unless ``force=True`` (then a
-    ``UserWarning`` says so). fp16 also needs loss scaling (``torch.amp.GradScaler``) against
-    gradient underflow; the policy alone does not provide it.
+    On a CPU, bf16 is allowed where it is native (``qkv.train.precision``: torch reports bf16
+    matmul instructions and a short probe finds bf16 matmuls at least as fast as fp32);
+    elsewhere bf16 — and fp16 on any CPU — is refused, with the probe's figures, unless
+    ``force=True`` (then a ``UserWarning`` says so). fp16 also needs loss scaling
+    (``torch.amp.GradScaler``) against gradient underflow; the policy alone does not provide it.
 
     Raises:
-        ValueError: an unknown ``precision``, or bf16/fp16 on a CPU without ``force``.
+        ValueError: an unknown ``precision``, or bf16 on a CPU where it is not native (fp16 on
+            any CPU) without ``force``.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     if precision == "fp32":
         return None
-    device = torch.device(device)
-    if device.type != "cuda":
-        message = (f"precision {precision!r} on device {str(device)!r}: {precision} matmuls "
-                   f"on a CPU are ~100x slower than fp32 here and save no memory for the "
-                   f"fp32 master weights and optimizer state")
-        if not force:
-            raise ValueError(message + "; use --precision fp32 on a CPU (or force it)")
-        warnings.warn(message + " (forced)", UserWarning, stacklevel=2)
+    check_precision_device(precision, device, force=force)
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(param_dtype=PRECISIONS[precision], reduce_dtype=torch.float32)
@@ -290,8 +285,9 @@ def autocast(precision: str, device: torch.device | str, *,
              force: bool = False) -> contextlib.AbstractContextManager[Any]:
     """The forward context of ``--precision`` for an unsharded (single process / DDP) run:
     ``torch.autocast`` to bf16/fp16 with fp32 weights, or a no-op for "fp32". Refuses
-    bf16/fp16 on a CPU unless ``force`` (see ``precision_policy``). Under ``shard_model`` with
-    a ``precision_policy`` no autocast is needed."""
+    bf16 on a CPU where it is not native, and fp16 on a CPU, unless ``force`` (see
+    ``precision_policy``). Under ``shard_model`` with a ``precision_policy`` no autocast is
+    needed."""
     if precision_policy(precision, device, force=force) is None:
         return contextlib.nullcontext()
     return torch.autocast(torch.device(device).type, dtype=PRECISIONS[precision])
