@@ -255,7 +255,7 @@ def _run(args: argparse.Namespace) -> int:
 def _clip_image(args: argparse.Namespace, run: Path, model: nn.Module) -> tuple[Any, str]:
     """The image of ``--image`` / ``--index``: (3, S, S) float in [0, 1] at the model's
     image size S, and a description of where it came from."""
-    from ..data.image_preprocess import preprocess_image
+    from ..data.images_folder import load_image
     from ..train.checkpoint import read_run_info
     from . import UserError
 
@@ -263,19 +263,14 @@ def _clip_image(args: argparse.Namespace, run: Path, model: nn.Module) -> tuple[
     if args.image is not None:
         if args.index is not None:
             raise UserError(f"--image {args.image} and --index {args.index}: give one of them")
-        from PIL import Image, UnidentifiedImageError
+        from ..data.files import DataError
+        from ..train.kinds.clip import FolderPairs
 
-        try:
-            with Image.open(args.image) as im:
-                im.load()
-                picture = im.convert("RGB")
-        except FileNotFoundError:
-            raise UserError(f"--image {args.image}: no such file") from None
-        except (UnidentifiedImageError, OSError) as exc:
-            raise UserError(f"--image {args.image}: not an image Pillow can read "
-                            f"({exc})") from None
-        unit = preprocess_image(picture, size, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
-        return unit.clamp(0.0, 1.0), str(args.image)
+        try:  # training's loader: the same checks, modes and alpha compositing
+            pixels = load_image(args.image)  # (3, H, W) uint8
+        except DataError as exc:
+            raise UserError(f"--image: {exc}") from None
+        return FolderPairs.to_unit(pixels, size), str(args.image)
     info = read_run_info(run)
     if info.get("task") != "shapes":
         raise UserError(f"{run} was not trained on the shapes task (task "

@@ -1,24 +1,71 @@
 """Read training data from files: TSV pairs for sequence-to-sequence, plain text for a
 language model. Every problem is a ``DataError`` (a ``ValueError``) naming the file and,
 where there is one, the line.
+
+Only regular files are read (``regular_file``): a device (``/dev/zero``), a FIFO or pipe (a
+shell's ``<(...)``), a socket or a directory is refused before a byte is read, naming what
+it is — reading one would never end (``/dev/zero``), block (a FIFO with no writer), or
+consume data that a second pass (a fingerprint, then the training data) would not see.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["DataError", "read_pairs", "read_text", "tab_lines"]
+__all__ = ["DataError", "file_kind", "read_pairs", "read_text", "read_utf8", "regular_file",
+           "tab_lines"]
 
 
 class DataError(ValueError):
     """A data or tokenizer file cannot be used: missing, undecodable or malformed."""
 
 
-def _read_utf8(path: str | os.PathLike) -> str:
-    """The file's text (a leading UTF-8 BOM dropped); errors name the file and line."""
+#: (stat test, what such a file is), for ``file_kind``
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a FIFO or pipe"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+def file_kind(mode: int) -> str:
+    """What a file of ``os.stat`` mode ``mode`` is, in words: "a regular file", "a directory",
+    "a character device", "a FIFO or pipe", "a socket", ..."""
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    return next((what for test, what in _KINDS if test(mode)), "not a regular file")
+
+
+def regular_file(path: str | os.PathLike, *, name: str | None = None) -> Path:
+    """``path`` as a ``Path`` if it names a regular file (through links), checked without
+    opening it; otherwise a ``DataError`` of one line, ``cannot read [NAME ]PATH: ...``,
+    saying why: it does not exist, or what it is instead (a directory, a device, a FIFO or
+    pipe, a socket; a link says where it points). ``name`` is the argument it came from
+    (e.g. ``"--data"``)."""
     path = Path(path)
+    label = f"{name} {path}" if name else str(path)
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as err:
+        raise DataError(f"cannot read {label}: {err.strerror or err}") from err
+    if stat.S_ISREG(mode):
+        return path
+    link = ""
+    if path.is_symlink():
+        try:
+            link = f" (a link to {os.readlink(path)})"
+        except OSError:
+            link = " (a link)"
+    raise DataError(f"cannot read {label}: not a regular file but {file_kind(mode)}{link}; "
+                    f"qkv reads data from regular files only: save it to a file first")
+
+
+def read_utf8(path: str | os.PathLike, *, name: str | None = None) -> str:
+    """The UTF-8 text of the regular file ``path`` (a leading BOM dropped); a ``DataError``
+    names the file (and ``name``, the argument it came from) and, for bad UTF-8, the line."""
+    path = regular_file(path, name=name)
     try:
         raw = path.read_bytes()
     except OSError as err:
@@ -36,7 +83,7 @@ def tab_lines(path: str | os.PathLike, left: str, right: str
     """The non-blank lines of a UTF-8 TSV file of two columns as ``(line number, left text,
     right text)`` (a ``\\r\\n`` ending dropped); a line without exactly one tab is a
     ``DataError`` naming the file, the line and the columns ``left<TAB>right``."""
-    for number, line in enumerate(_read_utf8(path).split("\n"), start=1):
+    for number, line in enumerate(read_utf8(path).split("\n"), start=1):
         line = line.removesuffix("\r")
         if not line.strip():
             continue
@@ -68,7 +115,7 @@ def read_pairs(path: str | os.PathLike) -> list[tuple[str, str]]:
 
 def read_text(path: str | os.PathLike) -> str:
     """The whole UTF-8 text of ``path`` (for language-model training); empty is an error."""
-    text = _read_utf8(path)
+    text = read_utf8(path)
     if not text.strip():
         raise DataError(f"{path}: the file holds no text")
     return text

@@ -180,7 +180,18 @@ def lock_holder(run_dir: str | os.PathLike) -> RunDirLock | None:
 
 
 def file_fingerprint(path: str | os.PathLike) -> dict[str, Any]:
-    """``{"size": bytes, "sha256": hex digest}`` of a file (read in 1 MiB blocks)."""
+    """``{"size": bytes, "sha256": hex digest}`` of a file (read in 1 MiB blocks).
+
+    Raises:
+        OSError: ``path`` cannot be opened or read (``FileNotFoundError``: it is missing).
+        DataError (``qkv.data.files``): ``path`` is not a regular file, checked before it is
+            opened (a device such as ``/dev/zero`` would be read forever, a FIFO would
+            block or be consumed).
+    """
+    from ..data.files import regular_file
+
+    if os.path.exists(path):
+        regular_file(path)
     digest = hashlib.sha256()
     size = 0
     with open(path, "rb") as f:

@@ -14,9 +14,16 @@ gathered (``unsharded``) and writes DCP sharded checkpoints from every rank
 (``qkv.train.sharded_checkpoint``) that resume on any number of processes; without it,
 several processes use DDP. ``grad_accum`` runs a step as K micro-batches with one gradient
 sync (``accumulate_gradients``), ``activation_checkpointing`` recomputes each layer in
-backward, ``precision`` bf16 computes in bf16 on CUDA (FSDP2's mixed-precision policy, or
-``torch.autocast`` without ``fsdp``). ``fsdp`` and ``precision`` are fixed for a run;
-``grad_accum`` and ``activation_checkpointing`` may change on resume.
+backward, ``precision`` bf16 computes in bf16 on CUDA and on CPUs with native bf16 (FSDP2's
+mixed-precision policy, or ``torch.autocast`` without ``fsdp``). ``fsdp`` and ``precision``
+are fixed for a run; ``grad_accum`` and ``activation_checkpointing`` may change on resume.
+
+Stopping: Ctrl-C (SIGINT) or SIGTERM (what ``kill``, a job scheduler or torchrun send) while
+a Trainer is set up or runs ends it the same way: ``RunInterrupted`` (a ``KeyboardInterrupt``)
+saying at which step and naming the last checkpoint, after the same clean-up (the lock
+released, the process group left). SIGTERM is turned into that exception only in the main
+thread and only where its handler is the default one (which would end the process with no
+clean-up); the previous handler is back when the Trainer's call returns.
 
 A run directory has one writer at a time: the Trainer holds ``qkv.train.rundir.RunDirLock``
 from before its first write until ``run()`` ends. Everything that can be checked is checked
@@ -33,8 +40,12 @@ a resume checks: run.json's allowed changes, the data file's fingerprint).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +94,55 @@ from .step import (
     step_lr,
 )
 
-__all__ = ["Trainer", "TrainingError", "build_model"]
+__all__ = ["RunInterrupted", "Trainer", "TrainingError", "build_model"]
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A Trainer stopped by Ctrl-C (SIGINT) or SIGTERM, after its clean-up (lock released,
+    process group left). ``str()`` is one line: the signal, the step, the last checkpoint
+    (or that none was written) and how to continue; ``signum`` is the signal's number
+    (``128 + signum`` is the conventional exit status)."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
+class _Terminated(KeyboardInterrupt):
+    """Raised in the main thread by SIGTERM while ``_sigterm_interrupts`` is in force."""
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """While in force (main thread only), SIGTERM raises ``_Terminated`` — a
+    ``KeyboardInterrupt``, so the clean-up Ctrl-C gets runs (``finally`` blocks, the lock
+    released) instead of the process ending on the spot with ``.lock`` left behind. Only
+    where SIGTERM's handler is the default: a handler of the caller's own (or SIG_IGN) is
+    left alone. A second SIGTERM while the first is handled ends the process as by default.
+    The previous handler is restored on exit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is not signal.SIG_DFL:
+        yield
+        return
+
+    def terminated(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM: end at once
+        raise _Terminated()
+
+    signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _signal_of(interrupt: KeyboardInterrupt) -> int:
+    if isinstance(interrupt, RunInterrupted):
+        return interrupt.signum
+    return int(signal.SIGTERM if isinstance(interrupt, _Terminated) else signal.SIGINT)
 
 
 class _Vocabulary:
@@ -117,8 +176,9 @@ class Trainer:
             a demo that writes more files after training); the Trainer then neither takes nor
             releases the lock. Default: the Trainer takes it (rank 0) and releases it when
             ``run()`` ends, on ``close()``, or when refused.
-        force_precision: train in ``config.precision`` bf16 on a CPU although it is ~100x
-            slower there than fp32 (refused otherwise, before anything is written).
+        force_precision: train in ``config.precision`` bf16 on a CPU where bf16 is not
+            native (``qkv.train.precision``; refused otherwise, with the measured bf16 and
+            fp32 matmul speeds, before anything is written).
 
     Build with ``Trainer(config, out)`` for a new run or ``Trainer.resume(out, steps=M)``.
     ``run()`` trains up to ``config.steps`` and returns the final evaluation; it leaves the
@@ -155,6 +215,7 @@ class Trainer:
             raise ValueError(f"lock must be a held RunDirLock on {self.out}, got {lock!r}")
         self.device = resolve_device(device)
         # refused before anything else (and before any process group): bf16 on a CPU
+        # without native bf16 (probed once per process)
         self._policy = precision_policy(config.precision, self.device, force=force_precision)
         self._force_precision = force_precision
         #: set by run(): a process group whose gloo threads outlive it (see teardown_world)
@@ -162,10 +223,16 @@ class Trainer:
         self.world = setup_world(self.device, group=config.fsdp)
         self._claim = RunDirClaim(self.out, self.world, lock=lock, log=log)
         try:
-            self._setup(config, _resume, _accept_changed_data)
-        except BaseException:
+            with _sigterm_interrupts():
+                self._setup(config, _resume, _accept_changed_data)
+        except BaseException as exc:
             self.close()  # a refused run holds no lock and leaves no process group open
             teardown_world(self.world, clean=False)
+            if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, RunInterrupted):
+                signum = _signal_of(exc)
+                raise RunInterrupted(
+                    f"interrupted by {signal.Signals(signum).name} while setting up the run "
+                    f"in {self.out}, before training began", signum) from None
             raise
 
     def close(self) -> None:
@@ -372,7 +439,8 @@ class Trainer:
         t0, tokens = time.perf_counter(), 0
         clean = False
         try:
-            with (self.out / METRICS).open("a") if main else NullLog() as metrics:
+            with _sigterm_interrupts(), (
+                    (self.out / METRICS).open("a") if main else NullLog()) as metrics:
                 while self.step < c.steps:
                     m = self.train_step()
                     tokens += m["tokens"]
@@ -388,6 +456,8 @@ class Trainer:
                     if self.step % c.eval_every == 0 or self.step == c.steps:
                         result = self._evaluate_and_save(metrics)
             clean = True
+        except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (_sigterm_interrupts)
+            raise self._interrupted(_signal_of(exc)) from None
         except RuntimeError as exc:
             if not (self.world.size > 1 and collective_failure(exc)):
                 raise
@@ -403,6 +473,19 @@ class Trainer:
             freed = teardown_world(self.world, clean=clean, release=self._release_group)
             self.group_outlives_run = (self.world.size > 1 or self.world.own_group) and not freed
         return result
+
+    def _interrupted(self, signum: int) -> RunInterrupted:
+        """The interruption of ``run()`` by signal ``signum``: the step, the last checkpoint."""
+        name = signal.Signals(signum).name
+        if self.last_saved is not None:
+            where = (f"the last checkpoint is {self.out / 'checkpoint'} (step "
+                     f"{self.last_saved}): continue with qkv train --resume {self.out}")
+        else:
+            where = (f"no checkpoint was written yet (one every eval_every="
+                     f"{self.config.eval_every} steps): nothing to resume; the same command "
+                     f"starts the run over")
+        return RunInterrupted(f"interrupted by {name} at step {self.step} of "
+                              f"{self.config.steps}; {where}", signum)
 
     def _release_group(self) -> None:
         """Drop the DDP wrapper (the plain model stays), which holds the process group, so
@@ -423,6 +506,7 @@ class Trainer:
                             run_info=self.config.to_dict(),
                             data_position=self.step * self.config.batch_size, base=self.base,
                             extra_files=self.kind.checkpoint_files(self.model))
+            self.last_saved = self.step  # before the log line that announces it
             self._log_evaluation(metrics, result)
         self.last_saved = self.step
         barrier(self.world)

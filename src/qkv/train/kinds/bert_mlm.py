@@ -16,6 +16,7 @@ masked-token accuracy.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -65,7 +66,16 @@ class BertMLMKind(TokenKind):
 
     def logits_and_target(self, model: nn.Module, batch: dict[str, Tensor]
                           ) -> tuple[Tensor, Tensor]:
-        return model.masked_lm(batch["ids"], batch["attention_mask"]), batch["labels"]
+        with warnings.catch_warnings():
+            # FSDP2 (--fsdp) warns that the sharded BERT's forward returns a view tensor: its
+            # last_hidden_state is TokenRows.unpack's (T, C) -> (B, N, C) view. That is only
+            # harmful if an in-place op is applied to the view (it would skip the hook that
+            # all-gathers for backward); masked_lm feeds it to the MLM head's out-of-place
+            # ops only, so the gradients are right and the warning is noise.
+            warnings.filterwarnings("ignore", category=UserWarning, message=(
+                r"FSDP2-wrapped module \(FSDPBERT\) returned a view tensor"))
+            logits = model.masked_lm(batch["ids"], batch["attention_mask"])
+        return logits, batch["labels"]
 
 
 def mlm_batch(rows: list[list[int]], tokenizer: Any, *, step: int, seed: int

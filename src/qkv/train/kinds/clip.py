@@ -232,15 +232,24 @@ class FolderPairs:
     image_size: int
     seed: int = 0
 
+    @staticmethod
+    def to_unit(image: Tensor, size: int) -> Tensor:
+        """A decoded image (3, h, w) uint8 (``qkv.data.load_image``) -> (3, S, S) float32
+        in [0, 1]: shorter side resized to S = ``size`` (bicubic), centre-cropped — what a
+        folder's images are trained on (``qkv attention --image`` reads its image so)."""
+        return preprocess_image(image, size, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
+
     def __post_init__(self) -> None:
         from ...data import ImageFolderDataset
 
         size = self.image_size
 
         def to_unit(image: Tensor) -> Tensor:  # (3, h, w) uint8 -> (3, S, S) in [0, 1]
-            return preprocess_image(image, size, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
+            return FolderPairs.to_unit(image, size)
 
-        self.dataset = ImageFolderDataset(self.folder, transform=to_unit)
+        # every image checked now (header, size, mode, a PNG's checksums, a truncated
+        # JPEG): a bad file stops the run before it starts, not when first drawn
+        self.dataset = ImageFolderDataset(self.folder, transform=to_unit, verify="quick")
         files = sorted({str(f) for f in self.dataset.files})
         if len(files) < 2:
             raise ValueError(f"--data {self.folder}: needs at least 2 different images (one to "
@@ -269,7 +278,9 @@ class FolderPairs:
 
 def _folder_fingerprint(folder: Path) -> dict[str, Any]:
     """Size and SHA-256 over the captions TSV's bytes and each image's name and size."""
-    tsv = folder / "captions.tsv"
+    from ...data.files import regular_file
+
+    tsv = regular_file(folder / "captions.tsv")  # a FIFO would block, a device never end
     digest = hashlib.sha256(tsv.read_bytes())
     total = tsv.stat().st_size
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and p != tsv):
