@@ -99,6 +99,61 @@ def _clear_padding(k: Tensor, v: Tensor, mask: Mask | None) -> tuple[Tensor, Ten
     return k.masked_fill(~keep, 0.0), v.masked_fill(~keep, 0.0)
 
 
+def _non_finite_guard(q: Tensor, k: Tensor, v: Tensor, out: Tensor, bias, dropout_p: float,
+                      run) -> Tensor:
+    """Make every backend agree on non-finite inputs: NaN in, NaN out; masked memory is inert.
+
+    The contract (the reference math's, without its two accidents): a query row holding a NaN
+    gives a NaN row if it may attend to at least one key (zeros if it may attend to none); a
+    key holding one makes NaN every row that may attend to it; a value element makes NaN that
+    dimension of every row that may attend to its key. What a row may not attend to (the
+    mask) never reaches it. (±inf inputs are treated as NaN once they make some output
+    non-finite; an inf that only sends logits to -inf acts as a mask, as in plain softmax.)
+    The two accidents: torch's CPU flash kernel skips NaN logits in its row maximum and
+    returns zeros when they are all NaN, and 0 · NaN = NaN lets a masked NaN value (or a
+    masked NaN logit under SDPA's additive -inf) leak into the row.
+
+    Cheap on finite inputs: one reduction of the output (~6 µs a decode call). Any non-finite
+    value a row may see shows in its output as NaN/inf or, through the kernel's accident, as
+    an all-zero row; so only when the smallest row norm of ``out`` is 0 or not finite are q, k, v
+    inspected (rows with nothing to attend to, legitimately 0, cost that look). If they hold
+    non-finite values the attention is recomputed with them zeroed (gradients stay finite;
+    the zeroed entries get none), plus one run of the same backend on indicators with q = k = 0
+    (uniform weights over exactly the keys each row may attend to) to place the NaNs.
+    ``run(q, k, v, bias, dropout_p)`` is the chosen backend, mask and scale bound. Skipped
+    under ``torch.compile`` and tracing (no data-dependent branch there), and off the CPU:
+    the accidents are the CPU kernels', and on an accelerator the look would cost a device
+    sync on every call (CUDA's kernels are not checked here: no GPU in the test machine).
+    """
+    if (out.numel() == 0 or out.device.type != "cpu" or torch.compiler.is_compiling()
+            or torch.jit.is_tracing()):
+        return out
+    with torch.no_grad():
+        smallest = float(torch.linalg.vector_norm(out.detach(), dim=-1).amin())  # NaN wins
+        if smallest > 0 and math.isfinite(smallest):
+            return out
+        bad = [~torch.isfinite(t.detach()) for t in (q, k, v)]
+        if not any(bool(b.any()) for b in bad):
+            return out  # rows with nothing to attend to (or an overflow): nothing to fix
+    bad_q, bad_k, bad_v = bad
+    clean = [t.masked_fill(b, 0.0) if bool(b.any()) else t for t, b in zip((q, k, v), bad,
+                                                                            strict=True)]
+    out = run(*clean, bias, dropout_p)
+    with torch.no_grad():
+        ind = torch.float64 if q.dtype == torch.float64 else torch.float32
+        b, h, n, _ = q.shape
+        hkv, s, dv = k.shape[1], k.shape[2], v.shape[-1]
+        marks = torch.cat([(bad_v | bad_k.any(dim=-1, keepdim=True)).to(ind),
+                           torch.ones(b, hkv, s, 1, dtype=ind, device=v.device)], dim=-1)
+        # (q and k as wide as the marks: torch's flash kernel wants one head size)
+        seen = run(torch.zeros(b, h, n, dv + 1, dtype=ind, device=q.device),
+                   torch.zeros(b, hkv, s, dv + 1, dtype=ind, device=k.device), marks, None,
+                   0.0)  # (B, H, N, Dv + 1)
+        live = seen[..., -1:] > 0  # (B, H, N, 1): the row may attend to some key
+        poison = (seen[..., :-1] > 0) | (bad_q.any(dim=-1, keepdim=True) & live)
+    return out.masked_fill(poison, float("nan"))
+
+
 def _refusal(name: str, q, k, v, mask, bias) -> str | None:
     if name == "sdpa":
         return sdpa_refusal(q, k, v, mask, bias)
@@ -139,7 +194,10 @@ def attention(
 
     Returns:
         out (B, H, N, Dv) in q's dtype, or ``(out, weights)``. A query row with nothing to
-        attend to returns zeros (and finite gradients).
+        attend to returns zeros (and finite gradients). NaN in, NaN out, alike on every
+        backend (on the CPU; see ``_non_finite_guard``): a NaN in a query row, a key or a
+        value reaches (as NaN) exactly the rows that may attend to it; what the mask hides
+        from a row never reaches it.
 
     Raises:
         TypeError / ValueError naming the offending argument; ``NoBackendError`` listing each
@@ -169,17 +227,24 @@ def attention(
         lines = "; ".join(f"{n}: {r}" for n, r in reasons.items())
         raise NoBackendError(f"attention: no backend can serve this request — {lines}")
 
-    if chosen == "sdpa":
-        out = sdpa_attention(q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p)
-    elif chosen == "chunked":
-        out, _ = chunked_attention(q, k, v, mask=mask, bias=bias, scale=scale,
-                                   dropout_p=dropout_p)
-    else:
+    first_weights = []  # the reference backend's weights of the call on the inputs as given
+
+    def run(q, k, v, bias, dropout_p):
+        if chosen == "sdpa":
+            return sdpa_attention(q, k, v, mask=mask, bias=bias, scale=scale,
+                                  dropout_p=dropout_p)
+        if chosen == "chunked":
+            return chunked_attention(q, k, v, mask=mask, bias=bias, scale=scale,
+                                     dropout_p=dropout_p)[0]
         out, weights = reference_attention(q, k, v, mask=mask, bias=bias, scale=scale,
                                            dropout_p=dropout_p)
-        if return_weights:
-            return out, weights
+        first_weights.append(weights)
+        return out
+
+    out = _non_finite_guard(q, k, v, run(q, k, v, bias, dropout_p), bias, dropout_p, run)
     if return_weights:
+        if first_weights:
+            return out, first_weights[0]
         _, weights = reference_attention(q, k, v, mask=mask, bias=bias, scale=scale)
         return out, weights
     return out
