@@ -7,6 +7,15 @@ import argparse
 import time
 
 
+def format_size(n_bytes: float) -> str:
+    """``n_bytes`` in the largest binary unit that keeps it at least 1: "32 B", "1.5 KiB",
+    "32.0 MiB", "2.0 GiB" (GiB beyond)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n_bytes >= scale:
+            return f"{n_bytes / scale:,.1f} {unit}"
+    return f"{n_bytes:,.0f} B"
+
+
 def run_tour(args: argparse.Namespace) -> int:
     """Print the tour; ``args.length`` is the relative-position part's sequence length N,
     ``args.seed`` seeds the random inputs. Refuses (``UserError``) an N whose inputs and
@@ -51,6 +60,6 @@ def run_tour(args: argparse.Namespace) -> int:
             out = qkv.attention(ql, kl, vl, causal=True, bias=scheme)
             dt = time.perf_counter() - t0
             print(f"  {name:11s} {dt:6.2f} s, output finite: {bool(torch.isfinite(out).all())}"
-                  f" — an N×S fp32 bias alone would take {8 * n_long * n_long * 4 / 2**30:.1f}"
-                  f" GiB")
+                  f" — an N×S fp32 bias alone would take "
+                  f"{format_size(8 * n_long * n_long * 4)}")
     return 0

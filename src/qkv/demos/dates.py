@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import time
+import unicodedata
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["DEMO_MODEL", "DEMO_TRAINING", "QUICK_TRAINING", "run_dates_demo"]
+__all__ = ["DEMO_MODEL", "DEMO_TRAINING", "QUICK_TRAINING", "display_ljust", "run_dates_demo"]
 
 #: the Transformer: post-norm as the paper, small enough for a CPU
 DEMO_MODEL: dict[str, Any] = dict(dim=128, num_encoder_layers=2, num_decoder_layers=2,
@@ -34,6 +35,15 @@ TEST_EXAMPLES = 1000
 SHOWCASE = ("Sat, 3 March 2021", "03/03/21", "the third of march 2021", "2021年3月3日",
             "二〇二一年三月三日", "December 25th, 1999", "1988.07.14")
 ALIGNMENT_EXAMPLE = "3 March 2021"
+
+
+def display_ljust(text: str, width: int) -> str:
+    """``text`` padded with spaces on the right to ``width`` terminal columns, as
+    ``str.ljust`` but counting East Asian wide and fullwidth characters
+    (``unicodedata.east_asian_width`` "W" / "F": 年, 〇, ２) as two columns, so that the
+    demos' columns line up after Chinese inputs. Text already that wide is returned as is."""
+    used = sum(2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in text)
+    return text + " " * max(0, width - used)
 
 
 def _alignment(model: torch.nn.Module, tokenizer: Any, source: str, target: str,
@@ -80,7 +90,7 @@ def run_dates_demo(*, out: str | None = None, quick: bool = False, seed: int = 0
         print("qkv demo: the encoder-decoder Transformer (Vaswani et al. 2017) learns to normalise "
               "dates.\nTraining examples (generated; held-out dates never appear in training):")
         for source, target in task.examples("train", 0, 4):
-            print(f"  {source!r:40} -> {target}")
+            print(f"  {display_ljust(repr(source), 40)} -> {target}")
         trainer = Trainer(config, run_dir, log=lambda line: print(f"  {line}"),
                           lock=lock)
         n_params = sum(p.numel() for p in trainer.model.parameters())
@@ -97,7 +107,7 @@ def run_dates_demo(*, out: str | None = None, quick: bool = False, seed: int = 0
         accuracy = exact_match(preds, [t for _, t in test])
         print("\nExamples:")
         for source, pred in zip(SHOWCASE, shown, strict=True):
-            print(f"  {source!r:32} -> {pred}")
+            print(f"  {display_ljust(repr(source), 32)} -> {pred}")
         misses = [(s, p, t) for (s, t), p in zip(test, preds, strict=True) if p != t][:3]
         for source, pred, target in misses:
             print(f"  miss: {source!r} -> {pred!r} (expected {target})")

@@ -27,7 +27,14 @@ from typing import Any
 
 import torch
 
-from .dates import DEMO_MODEL, DEMO_TRAINING, QUICK_TRAINING, SHOWCASE, TEST_EXAMPLES
+from .dates import (
+    DEMO_MODEL,
+    DEMO_TRAINING,
+    QUICK_TRAINING,
+    SHOWCASE,
+    TEST_EXAMPLES,
+    display_ljust,
+)
 
 __all__ = ["LORA", "LORA_TRAINING", "NEW_TASK", "QUICK_EXAMPLES", "QUICK_LORA_TRAINING",
            "check_base", "run_lora_demo"]
@@ -118,7 +125,7 @@ def _adapt(base_ckpt: Path, path: Path, *, quick: bool, seed: int) -> tuple[Any,
                          peft={"kind": "lora", **LORA}, seed=seed, **training)
     print(f"2. LoRA on {NEW_TASK!r} (source -> target):")
     for source, target in get_task(NEW_TASK, seed=seed).examples("train", 0, 3):
-        print(f"  {source!r:40} -> {target}")
+        print(f"  {display_ljust(repr(source), 40)} -> {target}")
     trainer = Trainer(config, path, log=lambda line: print(f"  {line}"))
     trainable, total = count_parameters(trainer.model)
     print(f"   r={LORA['r']}, alpha={LORA['alpha']}, targets {'+'.join(LORA['targets'])}: "
@@ -198,7 +205,7 @@ def run_lora_demo(*, out: str | None = None, base: str | None = None, quick: boo
 
         print("\nExamples (with the adapter | adapter disabled):")
         for source, pred, iso_pred in zip(SHOWCASE, shown, shown_base, strict=True):
-            print(f"  {source!r:32} -> {pred:20} | {iso_pred}")
+            print(f"  {display_ljust(repr(source), 32)} -> {display_ljust(pred, 20)} | {iso_pred}")
         misses = [(s, p, t) for (s, t), p in zip(new, preds, strict=True) if p != t][:3]
         for source, pred, target in misses:
             print(f"  miss: {source!r} -> {pred!r} (expected {target})")
