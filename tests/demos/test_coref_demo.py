@@ -124,6 +124,7 @@ def test_quick_demo_through_the_cli(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a full demo: minutes on 2 idle cores, several times that loaded
 def test_full_demo_resolves_pronouns_and_a_head_points_at_the_antecedent(tmp_path, capsys):
     # Measured (800 steps, 2000 test sentences): seeds 0/1/2 reach accuracy 99.0/99.3/100%,
     # chosen-head fraction 97.8/88.0/97.5%, strongest-head fraction 91.8/88.7/94.5%.

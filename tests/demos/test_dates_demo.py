@@ -31,6 +31,7 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a full demo: minutes on 2 idle cores, several times that loaded
 def test_full_demo_reaches_95_percent(tmp_path, capsys):
     """The issue's bar: >= 95 % exact match on 1,000 held-out dates. (Its 3-minute budget is
     a benchmark, recorded in BENCHMARKS.md, not asserted here.)"""

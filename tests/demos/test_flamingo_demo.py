@@ -148,6 +148,7 @@ def test_refusals_before_writing(quick_run, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a full demo: minutes on 2 idle cores, several times that loaded
 def test_full_demo_reaches_the_goal(tmp_path):
     printed, summary = run(tmp_path / "full", seed=0)
     acc = float(ACC.search(printed).group(1))

@@ -157,6 +157,7 @@ def test_reuse_base_and_refusals(quick_run, tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a full demo: minutes on 2 idle cores, several times that loaded
 def test_full_demo_reaches_its_bar(tmp_path, capsys):
     """The issue's bar: >= 95 % exact match on 1,000 held-out dates in the new format, and the
     base intact with the adapter disabled (>= 95 % on ISO, equal to the base run's own
