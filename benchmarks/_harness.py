@@ -34,6 +34,17 @@ def print_cpu() -> None:
     print(cpu_line())
 
 
+def add_gpt_size_args(p, *, repeats: int, warmup: int) -> None:
+    """The GPT training benchmarks' shared flags: ``--quick``, the model and batch sizes
+    (B=8 T=256 C=384 L=6 H=6 V=8192), ``--repeats`` and ``--warmup``."""
+    p.add_argument("--quick", action="store_true", help="tiny sizes, one timed step")
+    for name, default in (("batch", 8), ("seq", 256), ("dim", 384), ("layers", 6),
+                          ("heads", 6), ("vocab", 8192)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--repeats", type=int, default=repeats)
+    p.add_argument("--warmup", type=int, default=warmup)
+
+
 def median_time(fn: Callable[[], object], repeat: int = 3, warmup: int = 1) -> float:
     """Median wall time of ``fn()`` in seconds."""
     for _ in range(warmup):

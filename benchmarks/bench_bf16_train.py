@@ -30,7 +30,14 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks._harness import CLOCKS, alternate_times, load_average, print_cpu, print_table
+from benchmarks._harness import (
+    CLOCKS,
+    add_gpt_size_args,
+    alternate_times,
+    load_average,
+    print_cpu,
+    print_table,
+)
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.train.kinds import get_kind
 from qkv.train.precision import cpu_bf16
@@ -70,15 +77,7 @@ def step_fn(model: GPT, ids: torch.Tensor, precision: str) -> Callable[[], float
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny sizes, one timed step")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--dim", type=int, default=384)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--warmup", type=int, default=2)
+    add_gpt_size_args(p, repeats=7, warmup=2)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="wall time (default) or this process's CPU time")

@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks._harness import print_cpu, print_table, side_by_side
+from benchmarks._harness import add_gpt_size_args, print_cpu, print_table, side_by_side
 from qkv.models.gpt import GPT
 from qkv.models.hf_gpt2 import config_from_hf, convert_hf_state_dict
 
@@ -102,15 +102,7 @@ def flops_per_step(model: GPT, batch: int, seq: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny sizes, one timed step")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--dim", type=int, default=384)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--warmup", type=int, default=2)
+    add_gpt_size_args(p, repeats=7, warmup=2)
     p.add_argument("--adamw", choices=("default", "fused"), default="default",
                    help="torch's default AdamW or AdamW(fused=True); the same for both models")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

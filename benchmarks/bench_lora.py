@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks._harness import (
+    add_gpt_size_args,
     load_average,
     peak_growth_in_subprocess,
     peak_growth_mib,
@@ -135,16 +136,8 @@ def size_args(args) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny sizes, one timed run")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--dim", type=int, default=384)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--vocab", type=int, default=8192)
+    add_gpt_size_args(p, repeats=5, warmup=1)
     p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="time.perf_counter (wall) or time.process_time (this process's CPU)")
