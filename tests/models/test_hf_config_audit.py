@@ -65,10 +65,12 @@ BERT_TRAINING_ONLY = {"hidden_dropout_prob": "dropout", "attention_probs_dropout
 GPT2_REFUSED = {"model_type": ["bert"], "scale_attn_weights": [False],
                 "scale_attn_by_inverse_layer_idx": [True], "add_cross_attention": [True],
                 "activation_function": ["quick_gelu", "gelu_accurate", "mish", "linear"],
-                "pruned_heads": [{"0": [1]}]}
+                "pruned_heads": [{"0": [1]}],
+                "layer_norm_epsilon": [-1.0, 0.0, float("nan"), float("inf"), "x", True, 2.0]}
 BERT_REFUSED = {"model_type": ["gpt2"], "is_decoder": [True], "add_cross_attention": [True],
                 "position_embedding_type": ["relative_key", "relative_key_query"],
-                "hidden_act": ["quick_gelu", "gelu_10", "tanh"], "pruned_heads": [{"1": [0]}]}
+                "hidden_act": ["quick_gelu", "gelu_10", "tanh"], "pruned_heads": [{"1": [0]}],
+                "layer_norm_eps": [-1.0, 0.0, float("nan"), float("inf"), "x", 1e-300]}
 #: warn-only checks -> a value that warns
 GPT2_WARNED = {"embd_pdrop": 0.25}
 

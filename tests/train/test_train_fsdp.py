@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _spawn import spawn
+from _spawn import assert_weights_match, spawn
 
 from qkv.cli import main
 from qkv.models import CheckpointError
@@ -72,8 +72,8 @@ def assert_weights_close(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
                          rel: float, lr: float = GPT["lr"], steps: int = 4) -> None:
     assert sorted(got) == sorted(want)
     for k in want:
-        torch.testing.assert_close(_without_key_bias(k, got[k]), _without_key_bias(k, want[k]),
-                                   rtol=rel, atol=rel, msg=k)
+        assert_weights_match(_without_key_bias(k, got[k]), _without_key_bias(k, want[k]),
+                             rtol=rel, atol=rel, lr=lr, steps=steps, what=k)
         if k.endswith("attn.in_proj.bias"):
             assert (got[k] - want[k]).abs().max() <= 2 * lr * steps, k
 

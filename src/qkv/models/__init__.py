@@ -49,9 +49,16 @@ def from_hf(directory: str | os.PathLike, *, allow_pickle: bool = False):
     -> ``ViT`` (``ViTModel`` / ``ViTForImageClassification``), "clip" -> ``CLIP``
     (``CLIPModel``).
 
-    ``pytorch_model.bin`` (a pickle) is refused unless ``allow_pickle=True``, and even then
-    read only with ``torch.load(weights_only=True)``. The tokenizer, if any, comes from
+    The weights may be sharded (model.safetensors.index.json and the shards it names, as
+    ``save_pretrained(max_shard_size=...)`` writes them). ``pytorch_model.bin`` (a pickle) is
+    refused unless ``allow_pickle=True``, and even then read only with
+    ``torch.load(weights_only=True)``. The tokenizer, if any, comes from
     ``load_tokenizer(directory)``.
+
+    Before any model is built, config.json is checked against the weights' headers (layer
+    counts, then every name, shape and dtype on a meta-device probe): a config that does not
+    fit its weights is a ``CheckpointError`` naming the field; int or bool weights where the
+    model holds floats are refused, never cast.
 
     Every config.json field is used, ignored (it cannot change the outputs) or checked, as
     ``qkv.models.hf_config.GPT2_FIELDS`` / ``BERT_FIELDS`` / ``VIT_FIELDS`` /

@@ -46,14 +46,18 @@ from ..modules.linear_call import apply_linear
 from ..modules.norms import LayerNorm
 from ..modules.positions import Learned
 from ..ops.fast_linear import fast_linear
-from .hf_bert import config_from_hf, map_hf_state, normalise_hf_state
+from .hf_bert import LAYER_KEY, config_from_hf, map_hf_state, normalise_hf_state
+from .hf_state import layer_field
 from .hub import (
     CONFIG_NAME,
     CheckpointError,
+    CheckpointWeights,
     ModelConfig,
     PretrainedMixin,
+    check_against_header,
     check_and_load,
-    load_state_dict_file,
+    check_layer_counts,
+    check_norm_eps,
     load_tokenizer,
     read_json,
 )
@@ -74,7 +78,8 @@ class BERTConfig(ModelConfig):
         vocab_size: V. max_len: positions with an embedding (N ≤ max_len).
         type_vocab_size: number of token types (segments). dim: C. num_layers, num_heads: H.
         ffn_hidden: F. activation: FFN activation, a key of ``qkv.modules.feedforward
-        .ACTIVATIONS`` ("gelu" is the exact erf GELU of BERT). norm_eps: LayerNorm eps.
+        .ACTIVATIONS`` ("gelu" is the exact erf GELU of BERT). norm_eps: LayerNorm eps, in
+        [1e-38, 1].
         dropout: embedding/residual dropout. attn_dropout: dropout on attention weights.
         pad_token_id: the padding token (its embedding gets no gradient).
         with_pooler: build the pooler (dense + tanh on [CLS]).
@@ -97,6 +102,7 @@ class BERTConfig(ModelConfig):
     with_mlm_head: bool = True
 
     MODEL_TYPE: ClassVar[str] = "qkv-bert"
+    LAYER_KEYS: ClassVar[dict[str, str]] = {"num_layers": r"layers\.(\d+)\."}
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "bert-base": {},
         "bert-large": {"dim": 1024, "num_layers": 24, "num_heads": 16, "ffn_hidden": 4096},
@@ -120,8 +126,7 @@ class BERTConfig(ModelConfig):
             val = getattr(self, name)
             if not isinstance(val, (int, float)) or not 0.0 <= val < 1.0:
                 raise ValueError(f"BERTConfig: {name} must be in [0, 1), got {val!r}")
-        if not isinstance(self.norm_eps, (int, float)) or self.norm_eps <= 0:
-            raise ValueError(f"BERTConfig: norm_eps must be > 0, got {self.norm_eps!r}")
+        check_norm_eps("BERTConfig", self.norm_eps)
         if not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(f"BERTConfig: pad_token_id={self.pad_token_id} is outside "
                              f"[0, vocab_size={self.vocab_size})")
@@ -363,10 +368,12 @@ class BERT(PretrainedMixin, nn.Module):
         Reads config.json (model_type "bert": hidden_size, num_hidden_layers,
         num_attention_heads, intermediate_size, hidden_act, max_position_embeddings,
         type_vocab_size, layer_norm_eps, vocab_size, pad_token_id, dropouts) and
-        model.safetensors (``BertModel`` or ``BertForMaskedLM``/``BertForPreTraining`` keys,
-        with or without the "bert." prefix). The pooler and MLM head are built only when
-        the checkpoint holds them; the model is returned in eval mode. The tokenizer, if
-        any: ``load_tokenizer(directory)`` (re-exported from ``hub``). Dropped silently:
+        model.safetensors, or its shards with model.safetensors.index.json (``BertModel`` or
+        ``BertForMaskedLM``/``BertForPreTraining`` keys, with or without the "bert." prefix),
+        checked against config.json from the files' headers before anything is built. The
+        pooler and MLM head are built only when the checkpoint holds them; the model is
+        returned in eval mode. The tokenizer, if any: ``load_tokenizer(directory)``
+        (re-exported from ``hub``). Dropped silently:
         ``embeddings.position_ids``, the next-sentence head ``cls.seq_relationship.*`` (not
         modelled) and a decoder weight/bias equal to the tied word embeddings /
         ``cls.predictions.bias``. Old ``LayerNorm.gamma/beta`` names are read as weight/bias.
@@ -385,19 +392,27 @@ class BERT(PretrainedMixin, nn.Module):
         hf = read_json(directory / CONFIG_NAME)
         source = str(directory)
         fields = config_from_hf(hf, source)  # refuses unsupported options before reading
-        state = load_state_dict_file(directory, allow_pickle=allow_pickle)
-        state = normalise_hf_state(state, source,
-                                   tied=hf.get("tie_word_embeddings", True) is not False)
-        try:
-            config = BERTConfig(**fields, with_pooler="pooler.dense.weight" in state,
-                                with_mlm_head=any(k.startswith("cls.predictions.")
-                                                  for k in state))
-        except (TypeError, ValueError) as err:
-            raise CheckpointError(f"{source}: config.json is not a valid BERT config: "
-                                  f"{err}") from err
-        model = cls(config)
-        check_and_load(model, map_hf_state(model, state, source), source)
-        return model.eval()  # as transformers: a loaded model starts in eval mode
+        weights = CheckpointWeights(directory, allow_pickle=allow_pickle)
+        check_layer_counts(weights, [(layer_field(hf, "num_hidden_layers"),
+                                      fields["num_layers"], LAYER_KEY)],
+                           f"{directory / CONFIG_NAME}")
+
+        def build(state: dict[str, Tensor]) -> BERT:
+            state = normalise_hf_state(state, source,
+                                       tied=hf.get("tie_word_embeddings", True) is not False)
+            try:
+                config = BERTConfig(**fields, with_pooler="pooler.dense.weight" in state,
+                                    with_mlm_head=any(k.startswith("cls.predictions.")
+                                                      for k in state))
+            except (TypeError, ValueError) as err:
+                raise CheckpointError(f"{source}: config.json is not a valid BERT config: "
+                                      f"{err}") from err
+            model = cls(config)
+            check_and_load(model, map_hf_state(model, state, source), source)
+            return model
+
+        check_against_header(build, weights, hf)  # names, shapes, dtypes: before allocating
+        return build(weights.load()).eval()  # as transformers: loaded models start in eval
 
 
 def key_padding_mask(keep: Tensor) -> Tensor:

@@ -132,6 +132,8 @@ class CLIPConfig(ModelConfig):
     logit_scale_max: float = 100.0
 
     MODEL_TYPE: ClassVar[str] = "qkv-clip"
+    LAYER_KEYS: ClassVar[dict[str, str]] = {"vision.num_layers": r"vision\.layers\.(\d+)\.",
+                                            "text.num_layers": r"text\.layers\.(\d+)\."}
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "clip-tiny": {"vision": _clip_vision(image_size=32, patch_size=8, dim=64,
                                              num_layers=2, num_heads=2),
@@ -504,7 +506,8 @@ class CLIP(PretrainedMixin, nn.Module):
     def from_hf(cls, directory: str | os.PathLike, *, allow_pickle: bool = False,
                 **kwargs: Any) -> CLIP:
         """A ``CLIP`` from a local HuggingFace ``CLIPModel`` directory (config.json with
-        model_type "clip" and model.safetensors; a pytorch_model.bin only with
+        model_type "clip" and model.safetensors, or its shards with
+        model.safetensors.index.json; a pytorch_model.bin only with
         ``allow_pickle=True``, read with ``torch.load(weights_only=True)``). quick_gelu,
         the image tower's pre-LayerNorm and both pooling rules (``eos_token_id == 2``:
         "argmax", else "eos") are read from the config. Returned in eval mode.

@@ -42,7 +42,7 @@ from ..modules.positions import Learned, RoPE, positions_from_mask
 from ..ops.fast_linear import fast_linear
 from ..ops.masks import Mask, Padding
 from ..ops.sparse_masks import SlidingWindow
-from .hub import ModelConfig, PretrainedMixin, load_tokenizer
+from .hub import ModelConfig, PretrainedMixin, check_norm_eps, load_tokenizer
 from .inputs import check_token_ids
 
 __all__ = ["GPT", "GPTConfig", "GPTOutput", "load_tokenizer"]
@@ -63,7 +63,7 @@ class GPTConfig(ModelConfig):
         num_kv_heads: key/value heads (grouped-query attention); default H.
         ffn_hidden: the feed-forward width, default 4·C.
         activation: "gelu_tanh" (GPT-2's "gelu_new"), "gelu", "relu", "silu" or "swiglu".
-        norm: "layernorm" or "rmsnorm"; ``norm_eps`` its epsilon.
+        norm: "layernorm" or "rmsnorm"; ``norm_eps`` its epsilon, in [1e-38, 1].
         positions: "learned" (GPT-2) or "rope".
         dropout: embedding, residual and FFN dropout; ``attn_dropout`` on attention weights.
         bias: biases in the linear layers.
@@ -100,6 +100,7 @@ class GPTConfig(ModelConfig):
     num_features: int | None = None
 
     MODEL_TYPE: ClassVar[str] = "qkv-gpt"
+    LAYER_KEYS: ClassVar[dict[str, str]] = {"num_layers": r"layers\.(\d+)\."}
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "gpt2": {"vocab_size": 50257, "max_len": 1024, "dim": 768, "num_layers": 12,
                  "num_heads": 12},
@@ -143,6 +144,7 @@ class GPTConfig(ModelConfig):
             val = getattr(self, name)
             if not isinstance(val, (int, float)) or not 0.0 <= val < 1.0:
                 raise ValueError(f"GPTConfig: {name} must be in [0, 1), got {val!r}")
+        check_norm_eps("GPTConfig", self.norm_eps)
         self._check_attention()
 
     def _check_attention(self) -> None:
@@ -528,7 +530,8 @@ class GPT(PretrainedMixin, nn.Module):
     def from_hf(cls, directory: str | os.PathLike, *, allow_pickle: bool = False,
                 **kwargs: Any) -> GPT:
         """A ``GPT`` from a local HuggingFace GPT-2 directory (config.json with model_type
-        "gpt2" and model.safetensors; a pytorch_model.bin only with ``allow_pickle=True``,
+        "gpt2" and model.safetensors, or its shards with model.safetensors.index.json; a
+        pytorch_model.bin only with ``allow_pickle=True``,
         read with ``torch.load(weights_only=True)``). Returned in eval mode, like
         transformers. Mismatched keys or shapes raise ``CheckpointError`` and load nothing.
         Every config.json field is classified in ``qkv.models.hf_config.GPT2_FIELDS``: an

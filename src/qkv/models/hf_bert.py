@@ -11,14 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from .hf_config import BERT_FIELDS, HF_ACTIVATIONS, audit_hf_config
 from .hf_state import map_hf_state as map_state
-from .hub import CheckpointError
+from .hub import CheckpointError, same_values
 
-__all__ = ["config_from_hf", "map_hf_state", "normalise_hf_state"]
+__all__ = ["LAYER_KEY", "config_from_hf", "map_hf_state", "normalise_hf_state"]
+
+#: the layer index in the names of HF BERT's encoder tensors (num_hidden_layers counts them)
+LAYER_KEY = r"(?:bert\.)?encoder\.layer\.(\d+)\."
 
 #: BertConfig's defaults for the fields a config.json may leave out
 _HF_DEFAULTS = {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12,
@@ -71,7 +73,7 @@ def normalise_hf_state(state: dict[str, Tensor], source: str,
     dec_w = out.pop("cls.predictions.decoder.weight", None)
     if dec_w is not None:
         word = out.get("embeddings.word_embeddings.weight")
-        if word is None or word.shape != dec_w.shape or not torch.equal(word, dec_w):
+        if word is None or not same_values(word, dec_w):
             raise CheckpointError(f"{source}: cls.predictions.decoder.weight differs from the "
                                   f"word embeddings (config tie_word_embeddings={tied}); only "
                                   f"a tied MLM decoder is supported")
@@ -83,7 +85,7 @@ def normalise_hf_state(state: dict[str, Tensor], source: str,
     dec_b = out.pop("cls.predictions.decoder.bias", None)
     if dec_b is not None:
         bias = out.setdefault("cls.predictions.bias", dec_b)
-        if bias.shape != dec_b.shape or not torch.equal(bias, dec_b):
+        if not same_values(bias, dec_b):
             raise CheckpointError(f"{source}: cls.predictions.decoder.bias differs from "
                                   f"cls.predictions.bias")
     return out

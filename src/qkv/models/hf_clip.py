@@ -24,11 +24,24 @@ from .hf_config import (
     CLIP_VISION_FIELDS,
     audit_hf_config,
 )
-from .hf_state import map_hf_state
+from .hf_state import layer_field, map_hf_state
 from .hf_vit import layer_key_map, square
-from .hub import CONFIG_NAME, CheckpointError, check_and_load, load_state_dict_file, read_json
+from .hub import (
+    CONFIG_NAME,
+    CheckpointError,
+    CheckpointWeights,
+    check_against_header,
+    check_and_load,
+    check_layer_counts,
+    read_json,
+)
 
-__all__ = ["clip_key_map", "config_from_hf", "load_hf_clip"]
+__all__ = ["TEXT_LAYER_KEY", "VISION_LAYER_KEY", "clip_key_map", "config_from_hf",
+           "load_hf_clip"]
+
+#: the layer index in the names of HF CLIP's tower tensors (each tower's num_hidden_layers)
+TEXT_LAYER_KEY = r"text_model\.encoder\.layers\.(\d+)\."
+VISION_LAYER_KEY = r"vision_model\.encoder\.layers\.(\d+)\."
 
 #: transformers 5.x CLIPTextConfig / CLIPVisionConfig defaults for fields left out
 _TEXT_DEFAULTS = {"vocab_size": 49408, "hidden_size": 512, "intermediate_size": 2048,
@@ -134,14 +147,26 @@ def load_hf_clip(cls: Callable, directory: Path, *, allow_pickle: bool = False,
     hf = read_json(directory / CONFIG_NAME)
     source = str(directory)
     fields = config_from_hf(hf, source)  # refuses unsupported options before reading
-    state = _convert(load_state_dict_file(directory, allow_pickle=allow_pickle))
     try:
         config = CLIPConfig(**fields)
     except (TypeError, ValueError) as err:
         raise CheckpointError(f"{source}: config.json is not a valid CLIP config: "
                               f"{err}") from err
-    model = cls(config, **kwargs)
-    key_map = clip_key_map(config.vision.num_layers, config.text.num_layers)
-    check_and_load(model, map_hf_state(model.state_dict(), key_map, state, source, "CLIP"),
-                   source)
-    return model.eval()  # as transformers: a loaded model starts in eval mode
+    weights = CheckpointWeights(directory, allow_pickle=allow_pickle)
+    towers = {name: _tower(hf, name, source) for name in ("text_config", "vision_config")}
+    check_layer_counts(weights, [
+        (f"text_config.{layer_field(towers['text_config'], 'num_hidden_layers')}",
+         config.text.num_layers, TEXT_LAYER_KEY),
+        (f"vision_config.{layer_field(towers['vision_config'], 'num_hidden_layers')}",
+         config.vision.num_layers, VISION_LAYER_KEY)], f"{directory / CONFIG_NAME}")
+
+    def build(state: dict[str, Tensor], **kw: Any):
+        state = _convert(state)
+        model = cls(config, **kw)
+        key_map = clip_key_map(config.vision.num_layers, config.text.num_layers)
+        check_and_load(model, map_hf_state(model.state_dict(), key_map, state, source,
+                                           "CLIP"), source)
+        return model
+
+    check_against_header(build, weights, {**hf, **towers}, **kwargs)  # before allocating
+    return build(weights.load(), **kwargs).eval()  # as transformers: loaded models start in eval

@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from .hub import CheckpointError
+from .hub import NORM_EPS_RANGE, CheckpointError, check_norm_eps
 
 __all__ = ["BERT_FIELDS", "CLIP_ACTIVATIONS", "CLIP_FIELDS", "CLIP_TEXT_FIELDS",
            "CLIP_VISION_FIELDS", "GPT2_FIELDS", "HF_ACTIVATIONS", "VIT_FIELDS", "Check",
@@ -148,6 +148,19 @@ def _known_activation(value: Any, _data: dict[str, Any]) -> bool:
     return isinstance(value, str) and value in HF_ACTIVATIONS
 
 
+def _norm_eps(value: Any, _data: dict[str, Any]) -> bool:
+    try:
+        check_norm_eps("config", value)
+    except ValueError:
+        return False
+    return True
+
+
+#: layer_norm_epsilon / layer_norm_eps: what ``hub.check_norm_eps`` accepts
+_EPS = Check(_norm_eps, f"a finite number in [{NORM_EPS_RANGE[0]:g}, {NORM_EPS_RANGE[1]:g}]",
+             used=True)
+
+
 def _one_dropout(value: Any, data: dict[str, Any]) -> bool:
     return value == data.get("resid_pdrop", 0.1)
 
@@ -156,7 +169,7 @@ GPT2_FIELDS: dict[str, str | Check] = {
     **_COMMON,
     "model_type": only("gpt2", why="GPT.from_hf reads 'gpt2' checkpoints"),
     "vocab_size": "used", "n_positions": "used", "n_embd": "used", "n_layer": "used",
-    "n_head": "used", "n_inner": "used", "layer_norm_epsilon": "used",
+    "n_head": "used", "n_inner": "used", "layer_norm_epsilon": _EPS,
     "resid_pdrop": "used", "attn_pdrop": "used", "tie_word_embeddings": "used",
     # transformers' GPT2Config.attribute_map aliases, read when the canonical name is absent
     "hidden_size": "used", "max_position_embeddings": "used", "num_attention_heads": "used",
@@ -185,7 +198,7 @@ BERT_FIELDS: dict[str, str | Check] = {
     "model_type": only("bert", why="BERT.from_hf reads 'bert' checkpoints"),
     "vocab_size": "used", "hidden_size": "used", "num_hidden_layers": "used",
     "num_attention_heads": "used", "intermediate_size": "used",
-    "max_position_embeddings": "used", "type_vocab_size": "used", "layer_norm_eps": "used",
+    "max_position_embeddings": "used", "type_vocab_size": "used", "layer_norm_eps": _EPS,
     "hidden_dropout_prob": "used", "attention_probs_dropout_prob": "used",
     "pad_token_id": "used",
     # An untied MLM decoder is refused when the weights are read (it must equal the word
@@ -231,7 +244,7 @@ VIT_FIELDS: dict[str, str | Check] = {
     **_COMMON,
     "model_type": only("vit", why="ViT.from_hf reads 'vit' checkpoints"),
     "hidden_size": "used", "num_hidden_layers": "used", "num_attention_heads": "used",
-    "intermediate_size": "used", "layer_norm_eps": "used", "num_channels": "used",
+    "intermediate_size": "used", "layer_norm_eps": _EPS, "num_channels": "used",
     "hidden_dropout_prob": "used", "attention_probs_dropout_prob": "used",
     "image_size": Check(_square_int, _SQUARE, used=True),
     "patch_size": Check(_square_int, _SQUARE, used=True),
@@ -249,7 +262,7 @@ VIT_FIELDS: dict[str, str | Check] = {
 _CLIP_TOWER: dict[str, str | Check] = {
     **_COMMON,
     "hidden_size": "used", "num_hidden_layers": "used", "num_attention_heads": "used",
-    "intermediate_size": "used", "layer_norm_eps": "used",
+    "intermediate_size": "used", "layer_norm_eps": _EPS,
     "attention_dropout": "used",
     "hidden_act": Check(_clip_activation, _CLIP_ACTIVATION_CHECK, used=True),
     "dropout": "ignored: a 4.x field no CLIP module reads",

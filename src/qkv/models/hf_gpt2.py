@@ -18,13 +18,24 @@ import re
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from .hf_config import GPT2_FIELDS, HF_ACTIVATIONS, audit_hf_config
-from .hub import CheckpointError, check_and_load, load_state_dict_file, read_json
+from .hf_state import layer_field
+from .hub import (
+    CheckpointError,
+    CheckpointWeights,
+    check_against_header,
+    check_and_load,
+    check_layer_counts,
+    read_json,
+    same_values,
+)
 
-__all__ = ["config_from_hf", "convert_hf_state_dict", "load_hf_gpt2"]
+__all__ = ["LAYER_KEY", "config_from_hf", "convert_hf_state_dict", "load_hf_gpt2"]
+
+#: the layer index in the names of HF GPT-2's block tensors (n_layer counts them)
+LAYER_KEY = r"(?:transformer\.)?h\.(\d+)\."
 
 # HF layer suffix -> (qkv suffix, is a Conv1D weight to transpose)
 _LAYER_MAP = {
@@ -115,7 +126,7 @@ def convert_hf_state_dict(state: dict[str, Tensor], config) -> dict[str, Tensor]
                 out["lm_head.weight"] = t
             else:
                 wte = state.get("transformer.wte.weight", state.get("wte.weight"))
-                if wte is not None and (wte.shape != t.shape or not torch.equal(wte, t)):
+                if wte is not None and not same_values(wte, t):
                     raise CheckpointError("HF GPT-2 checkpoint: lm_head.weight differs from "
                                           "wte.weight but config tie_word_embeddings=True; "
                                           "set tie_word_embeddings to false in config.json "
@@ -136,13 +147,24 @@ def convert_hf_state_dict(state: dict[str, Tensor], config) -> dict[str, Tensor]
 
 
 def load_hf_gpt2(cls, directory: Path, *, allow_pickle: bool = False, **kwargs: Any):
-    """``cls.from_hf``: read config.json and the weights of an HF GPT-2 directory, convert,
-    check every key and shape (``CheckpointError``, nothing loaded half-way); eval mode."""
+    """``cls.from_hf``: read config.json and the weights of an HF GPT-2 directory (single or
+    sharded safetensors: ``hub.CheckpointWeights``), check n_layer and then every key, shape
+    and dtype against the files' headers before building the model
+    (``hub.check_against_header``), convert and load (``CheckpointError``, nothing loaded
+    half-way); eval mode."""
     directory = Path(directory)
-    config = config_from_hf(read_json(directory / "config.json"), str(directory))
-    state = load_state_dict_file(directory, allow_pickle=allow_pickle)
-    model = cls(config, **kwargs)
-    converted = convert_hf_state_dict(state, config)
-    check_and_load(model, converted, f"HF GPT-2 checkpoint {directory} (keys as renamed to "
-                                     f"qkv's)")
-    return model.eval()
+    hf = read_json(directory / "config.json")
+    config = config_from_hf(hf, str(directory))
+    weights = CheckpointWeights(directory, allow_pickle=allow_pickle)
+    check_layer_counts(weights, [(layer_field(hf, "n_layer", "num_hidden_layers"),
+                                  config.num_layers, LAYER_KEY)], f"{directory / 'config.json'}")
+
+    def build(state: dict[str, Tensor], **kw: Any):
+        model = cls(config, **kw)
+        converted = convert_hf_state_dict(state, config)
+        check_and_load(model, converted, f"HF GPT-2 checkpoint {directory} (keys as renamed "
+                                         f"to qkv's)")
+        return model
+
+    check_against_header(build, weights, hf, **kwargs)  # before any allocation
+    return build(weights.load(), **kwargs).eval()

@@ -9,15 +9,26 @@ q, k, v.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from .hub import CheckpointError
 
-__all__ = ["KeyMap", "map_hf_state"]
+__all__ = ["KeyMap", "layer_field", "map_hf_state"]
 
 KeyMap = dict[str, "str | tuple[str, ...]"]
 """qkv state-dict key -> an HF key, or a tuple of HF keys concatenated along dim 0."""
+
+
+def layer_field(data: dict[str, Any], *names: str) -> str:
+    """How messages name a config.json field counting layers: the first of ``names`` (the
+    field and its aliases) that ``data`` sets, else the first one, marked as the default."""
+    for name in names:
+        if name in data:
+            return name
+    return f"{names[0]} (not set: transformers' default)"
 
 
 def map_hf_state(own: dict[str, Tensor], key_map: KeyMap, state: dict[str, Tensor],
@@ -26,28 +37,35 @@ def map_hf_state(own: dict[str, Tensor], key_map: KeyMap, state: dict[str, Tenso
     -> an HF key, or a tuple of HF keys concatenated along dim 0: the fused q, k, v).
 
     Raises:
-        CheckpointError (nothing loaded) naming missing, unknown and mis-shaped HF keys;
+        CheckpointError (nothing loaded) naming missing, unknown and mis-shaped HF keys, and
+        those stored as ints or bools where the model holds floats (refused, not cast);
         ``what`` names the checkpoint kind in the message.
     """
     mapped: dict[str, Tensor] = {}
     used: set[str] = set()
     missing: list[str] = []
     shapes: list[str] = []
+    pairs: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    dtypes: list[str] = []
     for key, hf in key_map.items():
         names = hf if isinstance(hf, tuple) else (hf,)
         want = own[key].shape
         part = (want[0] // len(names), *want[1:])  # q/k/v each (C, ...) of (3C, ...)
         absent = [n for n in names if n not in state]
         missing.extend(absent)
-        bad = [f"{n}: checkpoint {tuple(state[n].shape)} vs expected {tuple(part)}"
-               for n in names if n in state and tuple(state[n].shape) != tuple(part)]
-        shapes.extend(bad)
+        wrong = [n for n in names if n in state and tuple(state[n].shape) != tuple(part)]
+        shapes.extend(f"{n}: checkpoint {tuple(state[n].shape)} vs expected {tuple(part)}"
+                      for n in wrong)
+        pairs.extend((tuple(state[n].shape), tuple(part)) for n in wrong)
+        ints = [n for n in names if n in state and own[key].is_floating_point()
+                and not state[n].is_floating_point()]
+        dtypes.extend(f"{n}: {state[n].dtype}" for n in ints)
         used.update(n for n in names if n in state)
-        if not absent and not bad:
+        if not absent and not wrong and not ints:
             parts = [state[n] for n in names]
             mapped[key] = parts[0] if len(parts) == 1 else torch.cat(parts)  # rows q, k, v
     unknown = sorted(set(state) - used)
-    if missing or unknown or shapes:
+    if missing or unknown or shapes or dtypes:
         msg = []
         if missing:
             msg.append(f"missing keys {missing[:10]}{' ...' if len(missing) > 10 else ''}")
@@ -55,6 +73,11 @@ def map_hf_state(own: dict[str, Tensor], key_map: KeyMap, state: dict[str, Tenso
             msg.append(f"unknown keys {unknown[:10]}{' ...' if len(unknown) > 10 else ''}")
         if shapes:
             msg.append("shape mismatches " + "; ".join(shapes[:10]))
-        raise CheckpointError(f"{source}: HuggingFace {what} checkpoint does not match its "
+        if dtypes:
+            msg.append("weights stored as non-float dtypes where the model holds floats "
+                       "(refused, not cast) " + "; ".join(dtypes[:10]))
+        err = CheckpointError(f"{source}: HuggingFace {what} checkpoint does not match its "
                               f"config: " + "; ".join(msg))
+        err.shape_pairs = tuple(pairs)
+        raise err
     return mapped

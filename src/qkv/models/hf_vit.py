@@ -19,11 +19,22 @@ from typing import Any
 from torch import Tensor
 
 from .hf_config import HF_ACTIVATIONS, VIT_FIELDS, audit_hf_config
-from .hf_state import KeyMap, map_hf_state
-from .hub import CONFIG_NAME, CheckpointError, check_and_load, load_state_dict_file, read_json
+from .hf_state import KeyMap, layer_field, map_hf_state
+from .hub import (
+    CONFIG_NAME,
+    CheckpointError,
+    CheckpointWeights,
+    check_against_header,
+    check_and_load,
+    check_layer_counts,
+    read_json,
+)
 
-__all__ = ["config_from_hf", "convert_hf_state", "layer_key_map", "load_hf_vit", "map_hf_state",
-           "square", "vit_key_map"]
+__all__ = ["LAYER_KEY", "config_from_hf", "convert_hf_state", "layer_key_map", "load_hf_vit",
+           "map_hf_state", "square", "vit_key_map"]
+
+#: the layer index in the names of HF ViT's encoder tensors (num_hidden_layers counts them)
+LAYER_KEY = r"(?:vit\.)?encoder\.layer\.(\d+)\."
 
 #: transformers ViTConfig's defaults for the fields a config.json may leave out
 _HF_DEFAULTS = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
@@ -131,19 +142,26 @@ def load_hf_vit(cls: Callable, directory: Path, *, allow_pickle: bool = False,
     hf = read_json(directory / CONFIG_NAME)
     source = str(directory)
     fields = config_from_hf(hf, source)  # refuses unsupported options before reading
-    state = load_state_dict_file(directory, allow_pickle=allow_pickle)
-    state = convert_hf_state(state, fields["num_layers"], fields["dim"], source,
-                             qkv_bias=hf.get("qkv_bias", True) is not False)
-    head = state.get("classifier.weight")
-    try:
-        config = ViTConfig(**fields, with_pooler="pooler.dense.weight" in state,
-                           num_classes=0 if head is None else int(head.shape[0]))
-    except (TypeError, ValueError) as err:
-        raise CheckpointError(f"{source}: config.json is not a valid ViT config: "
-                              f"{err}") from err
-    model = cls(config, **kwargs)
-    own = model.state_dict()
-    key_map = vit_key_map(config.num_layers, pooler=config.with_pooler,
-                          head=config.num_classes > 0)
-    check_and_load(model, map_hf_state(own, key_map, state, source, "ViT"), source)
-    return model.eval()  # as transformers: a loaded model starts in eval mode
+    weights = CheckpointWeights(directory, allow_pickle=allow_pickle)
+    check_layer_counts(weights, [(layer_field(hf, "num_hidden_layers"), fields["num_layers"],
+                                  LAYER_KEY)], f"{directory / CONFIG_NAME}")
+
+    def build(state: dict[str, Tensor], **kw: Any):
+        state = convert_hf_state(state, fields["num_layers"], fields["dim"], source,
+                                 qkv_bias=hf.get("qkv_bias", True) is not False)
+        head = state.get("classifier.weight")
+        try:
+            config = ViTConfig(**fields, with_pooler="pooler.dense.weight" in state,
+                               num_classes=0 if head is None else int(head.shape[0]))
+        except (TypeError, ValueError) as err:
+            raise CheckpointError(f"{source}: config.json is not a valid ViT config: "
+                                  f"{err}") from err
+        model = cls(config, **kw)
+        own = model.state_dict()
+        key_map = vit_key_map(config.num_layers, pooler=config.with_pooler,
+                              head=config.num_classes > 0)
+        check_and_load(model, map_hf_state(own, key_map, state, source, "ViT"), source)
+        return model
+
+    check_against_header(build, weights, hf, **kwargs)  # names, shapes, dtypes: no allocation
+    return build(weights.load(), **kwargs).eval()  # as transformers: loaded models start in eval

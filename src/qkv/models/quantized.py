@@ -32,7 +32,14 @@ from ..modules.feedforward import ACTIVATIONS
 from ..modules.quantized import QuantizedLinear
 from .bert import BERT, MLMHead
 from .gpt import GPT
-from .hub import QUANT_NAME, CheckpointError, check_and_load, load_state_dict_file, read_json
+from .hub import (
+    QUANT_NAME,
+    CheckpointError,
+    CheckpointWeights,
+    check_against_header,
+    check_and_load,
+    read_json,
+)
 from .transformer import Transformer
 
 __all__ = ["QUANT_NAME", "QuantizedMLMHead", "is_quantized", "load_quantized_directory",
@@ -183,9 +190,13 @@ def quantization_info(directory: str | os.PathLike) -> dict | None:
 
 
 def load_quantized_directory(model_class: type, directory: str | os.PathLike, config: Any,
-                             info: dict, **kwargs: Any) -> nn.Module:
+                             info: dict, *, weights: CheckpointWeights | None = None,
+                             **kwargs: Any) -> nn.Module:
     """Build ``model_class(config, **kwargs)``, swap in empty int8 layers as ``info``
-    (quantization.json) says, and load ``directory``'s state; the model in eval mode.
+    (quantization.json) says, and load ``directory``'s state (``weights``: its
+    ``CheckpointWeights``, read here when not given); the model in eval mode. Everything is
+    first checked on a meta-device probe against the files' headers
+    (``hub.check_against_header``): nothing is allocated for a state that does not fit.
 
     Raises ``CheckpointError`` when the state does not match: names, shapes, an int8 weight
     stored in another dtype, or int8 layers at other places than the file lists."""
@@ -193,22 +204,28 @@ def load_quantized_directory(model_class: type, directory: str | os.PathLike, co
     if model_class not in MODELS:
         raise CheckpointError(f"{directory}: {model_class.__name__} cannot be quantized "
                               f"(GPT, Transformer or BERT)")
-    model = model_class(config, **kwargs)
-    _convert(model, info["mode"], exact=False)
-    listed = info.get("modules")
-    if listed is not None and sorted(listed) != sorted(model.quantization["modules"]):
-        have = sorted(model.quantization["modules"])
-        raise CheckpointError(f"{directory / QUANT_NAME}: int8 modules {sorted(listed)[:10]} "
-                              f"differ from the model's {have[:10]}")
-    state = load_state_dict_file(directory)
-    own = model.state_dict()
-    for key in model.tied_keys:  # a tied embedding the file leaves out
-        if key in own:
-            state.setdefault(key, own[key])
-    bad = [f"{k}: {state[k].dtype} vs {own[k].dtype}" for k in sorted(set(state) & set(own))
-           if state[k].dtype != own[k].dtype]
-    if bad:
-        raise CheckpointError(f"{directory} does not match the quantized model: dtypes "
-                              + "; ".join(bad[:10]))
-    check_and_load(model, state, str(directory))
-    return model.eval()
+    if weights is None:
+        weights = CheckpointWeights(directory)
+
+    def build(state: dict[str, Tensor], **kw: Any) -> nn.Module:
+        model = model_class(config, **kw)
+        _convert(model, info["mode"], exact=False)
+        listed = info.get("modules")
+        if listed is not None and sorted(listed) != sorted(model.quantization["modules"]):
+            have = sorted(model.quantization["modules"])
+            raise CheckpointError(f"{directory / QUANT_NAME}: int8 modules "
+                                  f"{sorted(listed)[:10]} differ from the model's {have[:10]}")
+        own = model.state_dict()
+        for key in model.tied_keys:  # a tied embedding the file leaves out
+            if key in own:
+                state.setdefault(key, own[key])
+        bad = [f"{k}: {state[k].dtype} vs {own[k].dtype}" for k in sorted(set(state) & set(own))
+               if state[k].dtype != own[k].dtype]
+        if bad:
+            raise CheckpointError(f"{directory} does not match the quantized model: dtypes "
+                                  + "; ".join(bad[:10]))
+        check_and_load(model, state, str(directory))
+        return model
+
+    check_against_header(build, weights, config.to_dict(), **kwargs)
+    return build(weights.load(), **kwargs).eval()

@@ -16,7 +16,7 @@ from torch import nn
 from ..modules.feedforward import ACTIVATIONS
 from ..modules.positions import Learned, Sinusoidal
 from ..modules.relative import ALiBi, ShawRelative, T5Bias
-from .hub import ModelConfig
+from .hub import ModelConfig, check_norm_eps
 
 __all__ = ["ABSOLUTE_POSITIONS", "POSITIONS", "RELATIVE_POSITIONS", "PositionParts",
            "TransformerConfig", "build_positions", "embedding_scale"]
@@ -52,7 +52,7 @@ class TransformerConfig(ModelConfig):
         ffn_hidden: the feed-forward hidden width (d_ff).
         activation: FFN activation: "relu" (paper), "gelu", "gelu_tanh", "silu" or "swiglu".
         norm_first: False: post-norm, x = norm(x + f(x)) (paper); True: pre-norm.
-        norm_eps: epsilon of the norms.
+        norm_eps: epsilon of the norms, in [1e-38, 1].
         dropout: on embeddings + positions, after each sublayer, inside the FFN.
         attn_dropout: on the attention weights.
         max_len: the longest source or target sequence. Enforced for "sinusoidal" and
@@ -90,6 +90,9 @@ class TransformerConfig(ModelConfig):
                                   share_embeddings=True),
     }
     MODEL_TYPE: ClassVar[str] = "qkv-transformer"
+    LAYER_KEYS: ClassVar[dict[str, str]] = {
+        "num_encoder_layers": r"encoder_layers\.(\d+)\.",
+        "num_decoder_layers": r"decoder_layers\.(\d+)\."}
 
     src_vocab_size: int
     tgt_vocab_size: int
@@ -143,9 +146,7 @@ class TransformerConfig(ModelConfig):
             p = getattr(self, name)
             if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
                 raise ValueError(f"TransformerConfig: {name} must be in [0, 1), got {p!r}")
-        if (isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float))
-                or not self.norm_eps > 0):
-            raise ValueError(f"TransformerConfig: norm_eps must be > 0, got {self.norm_eps!r}")
+        check_norm_eps("TransformerConfig", self.norm_eps)
         if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
             raise ValueError(f"TransformerConfig: share_embeddings needs equal vocabularies, "
                              f"got src_vocab_size={self.src_vocab_size}, "

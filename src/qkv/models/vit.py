@@ -39,7 +39,7 @@ from ..modules.layers import EncoderLayer, TokenRows
 from ..modules.linear_call import apply_linear
 from ..modules.norms import LayerNorm
 from ..ops.fast_linear import fast_linear
-from .hub import ModelConfig, PretrainedMixin
+from .hub import ModelConfig, PretrainedMixin, check_norm_eps
 
 __all__ = ["PatchEmbed", "ViT", "ViTConfig", "ViTOutput", "check_pixel_values",
            "interpolate_positions"]
@@ -52,13 +52,12 @@ def _positive_int(owner: str, name: str, val: Any) -> None:
 
 def check_layer_fields(owner: str, config: Any) -> None:
     """Validate the encoder-layer fields a ViT or CLIP tower config shares: ``activation``
-    (one of ``ACTIVATIONS``), ``norm_eps`` > 0, ``dropout`` and ``attn_dropout`` in [0, 1);
-    ValueError naming ``owner`` and the field otherwise."""
+    (one of ``ACTIVATIONS``), ``norm_eps`` in [1e-38, 1], ``dropout`` and ``attn_dropout``
+    in [0, 1); ValueError naming ``owner`` and the field otherwise."""
     if config.activation not in ACTIVATIONS:
         raise ValueError(f"{owner}: activation must be one of {sorted(ACTIVATIONS)}, "
                          f"got {config.activation!r}")
-    if not isinstance(config.norm_eps, (int, float)) or not config.norm_eps > 0:
-        raise ValueError(f"{owner}: norm_eps must be > 0, got {config.norm_eps!r}")
+    check_norm_eps(owner, config.norm_eps)
     for name in ("dropout", "attn_dropout"):
         val = getattr(config, name)
         if not isinstance(val, (int, float)) or not 0.0 <= val < 1.0:
@@ -112,6 +111,7 @@ class ViTConfig(ModelConfig):
     num_classes: int = 0
 
     MODEL_TYPE: ClassVar[str] = "qkv-vit"
+    LAYER_KEYS: ClassVar[dict[str, str]] = {"num_layers": r"layers\.(\d+)\."}
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "vit-tiny": {"image_size": 32, "patch_size": 8, "dim": 64, "num_layers": 2,
                      "num_heads": 2},
@@ -421,8 +421,9 @@ class ViT(PretrainedMixin, nn.Module):
     def from_hf(cls, directory: str | os.PathLike, *, allow_pickle: bool = False,
                 **kwargs: Any) -> ViT:
         """A ``ViT`` from a local HuggingFace ``ViTModel`` / ``ViTForImageClassification``
-        directory (config.json with model_type "vit" and model.safetensors; a
-        pytorch_model.bin only with ``allow_pickle=True``, read with
+        directory (config.json with model_type "vit" and model.safetensors, or its shards
+        with model.safetensors.index.json; a pytorch_model.bin only with
+        ``allow_pickle=True``, read with
         ``torch.load(weights_only=True)``). The pooler and the classification head are
         built when the checkpoint holds them. Returned in eval mode.
 
