@@ -126,7 +126,7 @@ def test_translate_inputs_and_files(tmp_path, capsys, seq2seq, tok):
     (["generate", "{missing}", "--prompt", "a"], "no such run directory"),
     (["translate", "{gpt}", "--input", "a"], "needs a Transformer run (use qkv generate)"),
     (["generate", "{mt}", "--prompt", "a"], "needs a GPT run (use qkv translate)"),
-    (["generate", "{gpt}", "--prompt", "a", "--top-k", "3"], "only apply with --sample"),
+    (["generate", "{gpt}", "--prompt", "a", "--top-k", "3"], "--top-k applies only with --sample"),
     (["generate", "{gpt}", "--prompt", "a", "--beams", "0"], "--beams: must be an integer"),
     (["generate", "{gpt}", "--prompt", "a", "--sample", "--temperature", "0"], "temperature"),
     (["generate", "{gpt}", "--prompt", "a" * 40], "max_len"),

@@ -47,7 +47,7 @@ def test_train_with_lora_prints_the_trainable_summary_and_names_the_base(base, t
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert trainable == 2 * 2 * (2 * 32)  # q and v: A (2, 32) + B (32, 2), one layer
     assert f"trainable params: {trainable:,} || all params: {n:,}" in text
-    assert "gpt + lora adapter" in text  # --model came from the base
+    assert "gpt + LoRA adapter (" in text  # --model came from the base
     peft = json.loads((out / "run.json").read_text())["peft"]
     assert peft == {"kind": "lora", "r": 2, "alpha": 16, "dropout": 0.0,
                     "targets": ["q", "v"], "rslora": False}

@@ -95,8 +95,11 @@ def test_only_the_adapter_trains_and_the_checkpoint_holds_only_it(base, tmp_path
             < (base / "checkpoint/model.safetensors").stat().st_size / 2)
     info = json.loads((ckpt / "base.json").read_text())
     weights = base / "checkpoint/model.safetensors"
+    config = json.loads((base / "checkpoint/config.json").read_text())
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     assert info == {"path": str((base / "checkpoint").resolve()),
-                    "sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}
+                    "sha256": hashlib.sha256(weights.read_bytes()).hexdigest(),
+                    "config_sha256": hashlib.sha256(canonical.encode()).hexdigest()}
     assert json.loads((tmp_path / kind / "run.json").read_text())["init_from"] == \
         str((base / "checkpoint").resolve())
 

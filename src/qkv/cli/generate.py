@@ -185,7 +185,21 @@ def _load(run: str, want: str, int8: bool = False) -> tuple[Any, Any, dict]:
                         f"{kinds[want].__name__} run{hint}")
     if int8:
         from ..generation.quantize import quantize
+        from ..peft import adapter_file_kind
+        from ..train.checkpoint import find_checkpoint
+        from ..train.finetune import is_adapter_checkpoint
+        from .peft import UNMERGEABLE
 
+        ckpt = find_checkpoint(run)
+        if is_adapter_checkpoint(ckpt):  # int8 quantizes plain weights: say how to get them
+            kind = adapter_file_kind(ckpt)
+            if kind == "lora":
+                raise UserError(f"--int8: {run} is a LoRA adapter run and int8 quantizes plain "
+                                f"weights: `qkv peft merge {run} --out DIR` writes them (the "
+                                f"adapter merged in), then give DIR with --int8")
+            raise UserError(f"--int8: {run} trained a {kind} adapter and int8 quantizes plain "
+                            f"weights, which cannot hold it ({UNMERGEABLE[kind]}, not "
+                            f"mergeable into the weights): leave out --int8")
         try:
             quantize(model.float().cpu(), "int8")
         except (TypeError, ValueError) as err:
@@ -203,7 +217,10 @@ def _run_generate(args: argparse.Namespace) -> int:
     sampling = [f for f, v in (("--temperature", args.temperature), ("--top-k", args.top_k),
                                ("--top-p", args.top_p)) if v is not None]
     if sampling and not args.sample:
-        raise UserError(f"{', '.join(sampling)} only apply with --sample")
+        settings = (sampling[0] if len(sampling) == 1
+                    else f"{', '.join(sampling[:-1])} and {sampling[-1]}")
+        raise UserError(f"{settings} {'applies' if len(sampling) == 1 else 'apply'} only "
+                        f"with --sample")
     if args.sample and args.beams > 1:
         raise UserError("--sample and --beams > 1 cannot be combined")
     model, tok, info = _load(args.run, "gpt", args.int8)
@@ -225,15 +242,16 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def _inputs(args: argparse.Namespace) -> list[str]:
     from ..data import read_pairs
+    from ..data.files import DataError, read_utf8
     from . import UserError
 
     if args.input is not None:
         return args.input
     path = Path(args.file)
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read {path}: {exc}") from None
+    try:  # a regular file only: /dev/zero or a FIFO is refused before it is read
+        text = read_utf8(path, name="--file")
+    except DataError as exc:
+        raise UserError(str(exc)) from None
     if "\t" in text:
         return [source for source, _ in read_pairs(path)]
     lines = [line.rstrip("\r") for line in text.split("\n") if line.strip()]

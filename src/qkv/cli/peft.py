@@ -3,13 +3,30 @@ its base and write a plain model directory (config.json + model.safetensors +
 tokenizer.json + run.json), loadable by ``Model.from_pretrained(DIR)`` and
 ``qkv.train.load_run(DIR)``, whose outputs equal the adapted model's (within fp32 rounding)
 at the base model's inference cost. Bottleneck adapters and prefixes add computation of
-their own and cannot be merged."""
+their own and cannot be merged into plain weights: such a run is used as it is (``qkv
+generate RUN``, ``qkv translate RUN``, ``qkv.train.load_run(RUN)`` put the adapter on its
+base), and ``qkv export RUN --out DIR`` copies the adapter with its base reference."""
 
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
+
+#: what each adapter kind adds that a plain model lacks (why it cannot be merged)
+UNMERGEABLE = {"bottleneck": "bottleneck adapters add layers of their own",
+               "prefix": "a prefix adds key/value positions of its own"}
+
+
+def no_plain_model(run: str, kind: str) -> str:
+    """The one-line refusal for making a plain model of a ``kind`` (bottleneck / prefix)
+    adapter run, with what to do instead."""
+    return (f"{run} trained a {kind} adapter; only LoRA merges into the base weights "
+            f"({UNMERGEABLE[kind]}, which a plain model does not have), so there "
+            f"is no plain model to write: use the run as it is (`qkv generate {run}`, `qkv "
+            f"translate {run}` or qkv.train.load_run put the adapter on its base), or copy it "
+            f"with its base reference by `qkv export {run} --out DIR`")
+
 
 EXAMPLES = """examples:
   qkv train --task dates-long --init-from runs/dates --lora r=8,targets=q+v --out runs/long
@@ -48,10 +65,7 @@ def _run_merge(args: argparse.Namespace) -> int:
                         f"--init-from BASE --lora ...`): there is nothing to merge")
     kind = adapter_file_kind(ckpt)
     if kind != "lora":
-        what = "bottleneck adapters add layers" if kind == "bottleneck" else \
-            "a prefix adds key/value positions"
-        raise UserError(f"{args.run} trained a {kind} adapter; only LoRA merges into the base "
-                        f"weights ({what} of their own, which a plain model does not have)")
+        raise UserError(no_plain_model(args.run, kind))
     model, tokenizer = load_run(ckpt)  # checks the base is there and unchanged
     out = new_output_dir(args.out)
     merge(model)

@@ -67,12 +67,14 @@ examples per optimizer step over all processes; --grad-accum K cuts each process
 K micro-batches with one gradient sync (the same losses; --batch-size must divide by
 processes x K; not with clip). --activation-checkpointing recomputes each layer in backward
 (the same gradients, less memory). --precision bf16 computes in bf16 with fp32 master weights
-on CUDA (on a CPU it is ~100x slower and refused unless --force-precision; fp16 is refused:
-it needs loss scaling). With --resume, --grad-accum and --activation-checkpointing may change;
---fsdp and --precision are fixed for a run. Multi-node: torchrun --nnodes N --nproc-per-node
-G --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB (a run directory every node
-sees); QKV_DIST_TIMEOUT (seconds, default 600) bounds every collective, so a rank that dies
-makes the others stop with an error instead of hanging.
+and optimizer state, on CUDA and on CPUs where bf16 is native (AVX-512 BF16 / AMX, Arm BF16,
+confirmed by a short matmul probe); on other CPUs it is refused with the measured speeds
+unless --force-precision. fp16 is refused: it needs loss scaling. With --resume, --grad-accum
+and --activation-checkpointing may change; --fsdp and --precision are fixed for a run.
+Multi-node: torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint
+HOST:PORT --rdzv-id JOB (a run directory every node sees); QKV_DIST_TIMEOUT (seconds, default
+600) bounds every collective, so a rank that dies makes the others stop with an error instead
+of hanging.
 """
 
 #: (flag, TrainConfig field, type, help); every one defaults to the TrainConfig default
@@ -234,10 +236,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="recompute each layer's activations in backward (less memory, "
                             "the same gradients)")
     scale.add_argument("--precision", default=None, choices=("fp32", "bf16", "fp16"),
-                       help="fp32 (default) or bf16 compute with fp32 master weights (CUDA); "
-                            "fp16 is refused (needs loss scaling)")
+                       help="fp32 (default) or bf16 compute with fp32 master weights (CUDA, "
+                            "or a CPU with native bf16); fp16 is refused (needs loss scaling)")
     scale.add_argument("--force-precision", action="store_true",
-                       help="allow --precision bf16 on a CPU, where it is ~100x slower")
+                       help="allow --precision bf16 on a CPU without native bf16 (refused "
+                            "there with the measured bf16 and fp32 matmul speeds)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a model config field (JSON value or a string), repeatable")
     p.add_argument("--out", default=None, help="run directory (default runs/<model>-<data>-"
@@ -314,6 +317,7 @@ def _own_tasks(model: str | None) -> tuple[str, ...] | None:
 
 def _run(args: argparse.Namespace) -> int:
     from ..train.config import ConfigError
+    from ..train.trainer import RunInterrupted
     from . import UserError
 
     try:
@@ -321,6 +325,16 @@ def _run(args: argparse.Namespace) -> int:
     except ConfigError as exc:  # name the flag a user typed, not only the field
         flag = _FLAGS.get(exc.field)
         raise UserError(f"{flag}: {exc}" if flag else str(exc)) from exc
+    except RunInterrupted as exc:  # Ctrl-C or SIGTERM while the Trainer was set up
+        return _interrupted(exc, main=os.environ.get("RANK", "0") == "0")
+
+
+def _interrupted(exc: Any, *, main: bool) -> int:
+    """A ``RunInterrupted`` (Ctrl-C or SIGTERM, the clean-up done): its line on stderr (the
+    main process), exit status 128 + the signal (130 for SIGINT, 143 for SIGTERM)."""
+    if main:
+        print(f"qkv train: {exc}", file=sys.stderr)
+    return 128 + exc.signum
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -355,8 +369,8 @@ def _train(args: argparse.Namespace) -> int:
             tasks = _own_tasks(given.get("model"))
             if tasks:
                 given["task"] = tasks[0]
-        if "data" in given and not Path(given["data"]).exists():
-            raise UserError(f"--data {given['data']}: no such file or directory")
+        if "data" in given:
+            _check_data_path(given["data"])
         peft = _peft(args)
         if peft is not None and "init_from" not in given:
             flag = {"lora": "--lora", "adapters": "--adapters", "prefix": "--prefix"}[
@@ -372,11 +386,12 @@ def _train(args: argparse.Namespace) -> int:
                           force_precision=args.force_precision)
     if trainer.world.is_main:
         from ..peft import trainable_summary
+        from ..train.finetune import PEFT_LABELS
 
         n = sum(p.numel() for p in trainer.model.parameters())
         c = trainer.config
         start = f" from {c.init_from}" if c.init_from else ""
-        adapter = f" + {c.peft['kind']} adapter" if c.peft else ""
+        adapter = f" + {PEFT_LABELS[c.peft['kind']][0]}" if c.peft else ""
         print(f"qkv train: {c.model}{adapter} ({n / 1e6:.2f}M parameters){start} on "
               f"{trainer.device}, steps {trainer.step} -> {c.steps}, run directory {out}")
         print(f"qkv train: {trainable_summary(trainer.model)}")
@@ -384,10 +399,21 @@ def _train(args: argparse.Namespace) -> int:
             print(f"qkv train: fsdp {c.fsdp} over {trainer.world.size} process(es), "
                   f"grad-accum {c.grad_accum}, activation checkpointing "
                   f"{c.activation_checkpointing}, precision {c.precision}")
+        if c.precision == "bf16" and trainer.device.type == "cpu":  # what decided it
+            from ..train.precision import cpu_bf16
+
+            print(f"qkv train: bf16 on the CPU: {cpu_bf16()}")
+    from ..train.trainer import RunInterrupted
+
     try:
         result = trainer.run()
     except TrainingError as exc:
         raise UserError(str(exc)) from exc
+    except RunInterrupted as exc:  # Ctrl-C or SIGTERM: lock released, last checkpoint named
+        status = _interrupted(exc, main=trainer.world.is_main)
+        if trainer.group_outlives_run and _is_cli_process():
+            _end_process(status)
+        return status
     if trainer.world.is_main:
         shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                           for k, v in result.items())
@@ -395,6 +421,20 @@ def _train(args: argparse.Namespace) -> int:
     if trainer.group_outlives_run and _is_cli_process():
         _end_process(0)
     return 0
+
+
+def _check_data_path(data: str) -> None:
+    """--data must be a directory (clip's image folder) or a regular file, checked before
+    anything reads it: a device (``/dev/zero``), a FIFO or a pipe (``<(cat f)``) would be
+    read forever or consumed by the fingerprint before training reads it."""
+    from ..data.files import regular_file
+    from . import UserError
+
+    path = Path(data)
+    if not path.exists():
+        raise UserError(f"--data {data}: no such file or directory")
+    if not path.is_dir():
+        regular_file(path, name="--data")
 
 
 def _is_cli_process() -> bool:

@@ -484,12 +484,27 @@ class Flamingo(nn.Module):
                 given = ViT.from_pretrained(path)
         module = given.vision if name == "vision" and isinstance(given, CLIP) else given
         now = weights_sha256(module)
+        where = info.get("path") or f"the {name}= argument"
         if now != info.get("sha256"):
-            where = info.get("path") or f"the {name}= argument"
             raise CheckpointError(f"{directory}: the {name} base ({where}) is not the one this "
                                   f"Flamingo was trained with: weights sha256 "
                                   f"{str(info.get('sha256'))[:12]}... expected, got "
                                   f"{now[:12]}...; the gated blocks would read other features")
+        # what defines the base is its config too (an activation changed in its config.json
+        # keeps the weights): compared with the recorded one, field by field; the qkv
+        # version that wrote it is not part of the model
+        recorded = info.get("config")
+        if isinstance(recorded, dict):
+            current = json.loads(json.dumps(module.config.to_dict(), sort_keys=True))
+            differ = sorted(k for k in set(recorded) | set(current) if k != "qkv_version"
+                            and recorded.get(k) != current.get(k))
+            if differ:
+                shown = ", ".join(f"{k} {recorded.get(k)!r} -> {current.get(k)!r}"
+                                  for k in differ[:4])
+                raise CheckpointError(f"{directory}: the {name} base ({where}) is not the one "
+                                      f"this Flamingo was trained with: its config differs "
+                                      f"({shown}); the gated blocks would read other "
+                                      f"features")
         return module
 
     @classmethod
@@ -497,7 +512,8 @@ class Flamingo(nn.Module):
                         vision: ViT | CLIP | None = None) -> Flamingo:
         """Load a directory written by ``save_pretrained``. The bases are ``lm`` / ``vision``
         when given, else loaded from their recorded paths; either way their weights must hash
-        to the recorded sha256. Returned in eval mode.
+        to the recorded sha256 and their configs equal the recorded ones (all but
+        ``qkv_version``). Returned in eval mode.
 
         Raises:
             CheckpointError: files missing or malformed, a base missing or changed, the

@@ -3,6 +3,8 @@ not import this package): LoRA on the fused QKV projection and the other linears
 adapters, mixed-adapter batches, merge/unmerge, adapter files (qkv's and HF PEFT's);
 bottleneck adapters and prefix tuning. ``save_adapter`` / ``load_adapter`` /
 ``set_adapter`` / ``disable_adapters`` handle every kind (``qkv.peft.switch``).
+``model.save_pretrained`` of a model holding adapters writes the plain model once every LoRA
+adapter is merged and refuses otherwise, pointing to ``save_adapter`` (``qkv.peft.saving``).
 
 Example::
 
@@ -24,7 +26,7 @@ from .adapters import (
     save_adapters,
 )
 from .config import TARGETS, LoraConfig
-from .files import adapter_file_kind, load_adapter, save_adapter
+from .files import adapter_file_kind, adapter_shapes, load_adapter, save_adapter
 from .lora import LoraLinear, adapter_rows, add_lora, merge, unload, unmerge
 from .prefix import (
     PrefixAttention,
@@ -41,7 +43,7 @@ from .switch import active_adapter, adapter_kinds, adapter_names, disable_adapte
 __all__ = ["TARGETS", "AdaptedSublayer", "AdapterConfig", "LoraConfig", "LoraLinear",
            "PrefixAttention", "PrefixConfig", "PrefixKVCache", "active_adapter",
            "adapter_file_kind", "adapter_kinds", "adapter_names", "adapter_rows",
-           "add_adapters", "add_lora", "add_prefix", "count_parameters", "disable_adapters",
-           "load_adapter", "load_adapters", "load_prefix", "merge", "remove_adapters",
-           "remove_prefix", "save_adapter", "save_adapters", "save_prefix", "set_adapter",
-           "trainable_summary", "unload", "unmerge"]
+           "adapter_shapes", "add_adapters", "add_lora", "add_prefix", "count_parameters",
+           "disable_adapters", "load_adapter", "load_adapters", "load_prefix", "merge",
+           "remove_adapters", "remove_prefix", "save_adapter", "save_adapters", "save_prefix",
+           "set_adapter", "trainable_summary", "unload", "unmerge"]

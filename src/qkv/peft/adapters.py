@@ -42,9 +42,12 @@ from torch import Tensor, nn
 from ..models.hub import CheckpointError, atomic_write, read_json
 from ..modules.feedforward import ACTIVATIONS
 from ..modules.layers import DecoderLayer, EncoderLayer
+from .checks import check_finite, check_float_model, check_header, read_header
+from .config import MAX_SCALE
+from .saving import refresh_save_guard
 
 __all__ = ["AdaptedSublayer", "AdapterConfig", "Bottleneck", "add_adapters", "load_adapters",
-           "remove_adapters", "save_adapters"]
+           "planned_shapes", "remove_adapters", "save_adapters"]
 
 PLACEMENTS = ("houlsby", "pfeiffer", "parallel")
 CONFIG_NAME = "adapter_config.json"
@@ -64,7 +67,8 @@ class AdapterConfig:
             "gelu_tanh", "silu").
         dropout: on the (B, N, M) bottleneck activations, training only; in [0, 1).
         scaling: s, the parallel adapter's output scale (He et al. 2022 use 4); "parallel"
-            only.
+            only; finite, |s| at most ``qkv.peft.config.MAX_SCALE`` (1000: beyond it the
+            adapter swamps the layer's output).
     """
 
     reduction_factor: float = 16
@@ -92,6 +96,9 @@ class AdapterConfig:
         if not isinstance(s, (int, float)) or isinstance(s, bool) or s != s \
                 or abs(s) == float("inf"):
             raise ValueError(f"AdapterConfig: scaling must be a finite number, got {s!r}")
+        if abs(s) > MAX_SCALE:
+            raise ValueError(f"AdapterConfig: scaling={s!r} is beyond +-{MAX_SCALE:g}: the "
+                             f"adapter would swamp the layer's output (He et al. use 4)")
 
     def width(self, dim: int) -> int:
         """M = dim // reduction_factor; ValueError when that is 0."""
@@ -156,6 +163,8 @@ class AdaptedSublayer(nn.Module):
         base: the wrapped module. adapters: name -> ``Bottleneck``.
         active: the active adapter's name, or None (then exactly ``base``).
     """
+
+    ADAPTER_KIND = "bottleneck"  # what ``qkv.peft.saving`` reads
 
     def __init__(self, base: nn.Module) -> None:
         super().__init__()
@@ -239,39 +248,68 @@ def add_adapters(model: nn.Module, config: AdapterConfig, *, name: str = "defaul
 
     Raises:
         TypeError for a wrong ``config`` type; ValueError for a bad/used ``name``, a model
-        without qkv layers, or a reduction factor leaving no bottleneck.
+        without qkv layers, a model quantized to int8, or a reduction factor leaving no
+        bottleneck.
     """
-    if not isinstance(config, AdapterConfig):
-        raise TypeError(f"add_adapters: config must be an AdapterConfig, "
-                        f"got {type(config).__name__}")
-    _check_name(name)
-    layers = _layers(model, "add_adapters")
-    if name in named_adapter_names(model):
-        raise ValueError(f"add_adapters: model already has an adapter named {name!r}")
+    plan = _plan(model, config, name, "add_adapters")
     parallel = config.placement == "parallel"
     new: list[nn.Parameter] = []
-    for layer in layers:
-        attr = "attn" if isinstance(layer, EncoderLayer) else "self_attn"
-        sites = (attr, "ffn") if config.placement == "houlsby" else ("ffn",)
-        dim = layer.ffn.fc_in.in_features
-        width = config.width(dim)
-        for site in sites:
-            sub = getattr(layer, site)
-            if not isinstance(sub, AdaptedSublayer):
-                sub = AdaptedSublayer(sub)
-                setattr(layer, site, sub)
-            adapter = Bottleneck(dim, width, activation=config.activation,
-                                 dropout=config.dropout, parallel=parallel,
-                                 scaling=config.scaling if parallel else 1.0,
-                                 **_factory(sub.base))
-            sub.adapters[name] = adapter
-            new.extend(adapter.parameters())
+    for layer, _, site, dim, width in plan:
+        sub = getattr(layer, site)
+        if not isinstance(sub, AdaptedSublayer):
+            sub = AdaptedSublayer(sub)
+            setattr(layer, site, sub)
+        adapter = Bottleneck(dim, width, activation=config.activation,
+                             dropout=config.dropout, parallel=parallel,
+                             scaling=config.scaling if parallel else 1.0,
+                             **_factory(sub.base))
+        sub.adapters[name] = adapter
+        new.extend(adapter.parameters())
     for m in model.modules():
         if isinstance(m, AdaptedSublayer):
             m.set_active(name)
     model._qkv_adapter_configs = {**getattr(model, "_qkv_adapter_configs", {}), name: config}
     train_only(model, new)
+    refresh_save_guard(model)
     return model
+
+
+def _plan(model: nn.Module, config: AdapterConfig, name: str, who: str
+          ) -> list[tuple[nn.Module, str, str, int, int]]:
+    """(layer, its module path, sublayer attribute, C, M) of every adapter ``add_adapters``
+    would insert, after its checks; nothing allocated."""
+    if not isinstance(config, AdapterConfig):
+        raise TypeError(f"{who}: config must be an AdapterConfig, got {type(config).__name__}")
+    _check_name(name)
+    layers = _layers(model, who)
+    check_float_model(model, who)
+    if name in named_adapter_names(model):
+        raise ValueError(f"{who}: model already has an adapter named {name!r}")
+    paths = {id(m): p for p, m in model.named_modules()}
+    plan = []
+    for layer in layers:
+        attr = "attn" if isinstance(layer, EncoderLayer) else "self_attn"
+        sites = (attr, "ffn") if config.placement == "houlsby" else ("ffn",)
+        dim = layer.ffn.fc_in.in_features
+        width = config.width(dim)
+        plan += [(layer, paths[id(layer)], site, dim, width) for site in sites]
+    return plan
+
+
+def planned_shapes(model: nn.Module, config: AdapterConfig, *, name: str = "default"
+                   ) -> dict[str, tuple[int, ...]]:
+    """The tensors ``add_adapters(model, config, name=name)`` would add, keyed as
+    ``save_adapters`` writes them (``layers.0.ffn.adapters.*.down.weight``: (M, C), its bias
+    (M,), ``up.weight`` (C, M), its bias (C,)), with nothing allocated. Raises as
+    ``add_adapters``."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for _, path, site, dim, width in _plan(model, config, name, "add_adapters"):
+        pre = f"{path}.{site}" if path else site
+        shapes.update({f"{pre}.adapters.*.down.weight": (width, dim),
+                       f"{pre}.adapters.*.down.bias": (width,),
+                       f"{pre}.adapters.*.up.weight": (dim, width),
+                       f"{pre}.adapters.*.up.bias": (dim,)})
+    return shapes
 
 
 def remove_adapters(model: nn.Module, name: str) -> nn.Module:
@@ -295,6 +333,7 @@ def remove_adapters(model: nn.Module, name: str) -> nn.Module:
     configs = dict(getattr(model, "_qkv_adapter_configs", {}))
     configs.pop(name, None)
     model._qkv_adapter_configs = configs
+    refresh_save_guard(model)
     return model
 
 
@@ -350,10 +389,22 @@ def load_adapters(model: nn.Module, path: str | Path, *, name: str | None = None
                               f"a {type(model).__name__}")
     try:
         config = AdapterConfig(**meta["config"])
-        state = load_file(str(path / WEIGHTS_NAME))
-    except (TypeError, ValueError, OSError, SafetensorError) as err:
-        raise CheckpointError(f"{path}: cannot read the adapter: {err}") from err
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{path / CONFIG_NAME}: cannot read the adapter: {err}") from err
     name = meta.get("name", "default") if name is None else name
+    try:  # the file's shapes against the config's, before anything is allocated
+        want = planned_shapes(model, config, name=name)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: {err}") from err
+    weights = path / WEIGHTS_NAME
+    check_header(weights, read_header(weights), want, model=model,
+                 fields=f"reduction_factor={config.reduction_factor!r}, "
+                        f"placement={config.placement!r}")
+    try:
+        state = load_file(str(weights))
+    except (OSError, SafetensorError) as err:
+        raise CheckpointError(f"{weights}: cannot read the adapter: {err}") from err
+    check_finite(weights, state)
     grads = {id(p): p.requires_grad for p in model.parameters()}
     actives = {m: m.active for m in model.modules() if isinstance(m, AdaptedSublayer)}
     add_adapters(model, config, name=name)

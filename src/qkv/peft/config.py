@@ -20,10 +20,17 @@ import dataclasses
 import math
 from typing import Any
 
-__all__ = ["TARGETS", "LoraConfig"]
+__all__ = ["MAX_SCALE", "TARGETS", "LoraConfig"]
 
 #: every LoRA target role, in the order updates are laid out
 TARGETS = ("q", "k", "v", "qkv", "out", "ffn_in", "ffn_out")
+
+#: the largest LoRA scale (alpha / r, or alpha / √r) a config accepts. Published settings
+#: sit between 0.25 (QLoRA: alpha 16, r 64) and ~16 (alpha 2r with rsLoRA at r = 64); a
+#: scale of 1000 already multiplies the learned update a thousandfold. Beyond it the update
+#: dominates the base outputs and overflows soon after (alpha = 1e300 gives inf in the
+#: first forward), so such a value is a typo or a corrupt file, not a setting.
+MAX_SCALE = 1000.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +43,9 @@ class LoraConfig:
 
     Args:
         r: the rank, a positive int.
-        alpha: the scale numerator, a positive number: scale = alpha / r, or alpha / √r with
-            ``rslora`` (Kalajdzievski 2023).
+        alpha: the scale numerator, a positive finite number: scale = alpha / r, or
+            alpha / √r with ``rslora`` (Kalajdzievski 2023); the scale must be at most
+            ``MAX_SCALE`` (1000).
         dropout: dropout probability on the LoRA input only (the base path sees x), applied
             in training mode only; in [0, 1).
         targets: a non-empty tuple of roles from ``TARGETS`` (see the module docstring); a
@@ -81,6 +89,12 @@ class LoraConfig:
                              f"fused projection) and 'q'/'k'/'v' (one per row block) cover the "
                              f"same rows; pick one")
         object.__setattr__(self, "targets", tuple(t for t in TARGETS if t in targets))
+        if not self.scale <= MAX_SCALE:
+            how = "alpha / sqrt(r)" if self.rslora else "alpha / r"
+            raise ValueError(f"LoraConfig: alpha={self.alpha!r} with r={self.r} gives scale "
+                             f"{how} = {self.scale:.3g}, beyond {MAX_SCALE:g}: the update "
+                             f"would swamp the base outputs (usual scales are 0.25 to 16); "
+                             f"lower alpha")
 
     @property
     def scale(self) -> float:

@@ -38,6 +38,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -45,10 +46,13 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from ..models.hub import CheckpointError, atomic_write, read_json
+from . import adapters, lora, prefix
+from .checks import check_finite, check_header, read_header
 from .config import LoraConfig
 from .lora import _sites, _states, attach, plain_path, plan_updates
 
-__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "adapter_file_kind", "load_adapter", "save_adapter"]
+__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "adapter_file_kind", "adapter_shapes", "load_adapter",
+           "save_adapter"]
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -122,6 +126,27 @@ def _save_lora(model: nn.Module, path: str | os.PathLike, name: str) -> Path:
     return path
 
 
+def adapter_shapes(model: nn.Module, config: Any, *, name: str = "default"
+                   ) -> dict[str, tuple[int, ...]]:
+    """The tensors the adapter ``config`` (a ``LoraConfig``, ``AdapterConfig`` or
+    ``PrefixConfig``) would add to ``model`` as ``name``: name (as ``save_adapter`` writes
+    it) -> shape, with nothing allocated (``qkv.peft.lora.planned_shapes`` and its twins in
+    ``adapters`` and ``prefix``). ``sum(math.prod(s) for s in shapes.values())`` is the
+    number of parameters it adds.
+
+    Raises:
+        TypeError for another config type; otherwise as the kind's add function.
+    """
+    if isinstance(config, LoraConfig):
+        return lora.planned_shapes(model, config, name=name)
+    if isinstance(config, adapters.AdapterConfig):
+        return adapters.planned_shapes(model, config, name=name)
+    if isinstance(config, prefix.PrefixConfig):
+        return prefix.planned_shapes(model, config, name=name)
+    raise TypeError(f"adapter_shapes: config must be a LoraConfig, AdapterConfig or "
+                    f"PrefixConfig, got {type(config).__name__}")
+
+
 def adapter_file_kind(path: str | os.PathLike) -> str:
     """The kind of the adapter saved in directory ``path``: "lora" (qkv's or HF PEFT's),
     "bottleneck" or "prefix".
@@ -149,6 +174,9 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, name: str | None 
     other kinds step aside (``qkv.peft.set_adapter``).
 
     Everything is checked before anything is attached: on any error the model is unchanged.
+    The weights file's tensor names, shapes and dtypes are read from its safetensors header
+    and checked against what ``adapter_config.json`` implies for ``model``
+    (``adapter_shapes``) before anything is allocated; then its values must be finite.
 
     Args:
         model: the base model (a ``GPT`` / ``BERT`` / any qkv model for qkv's files).
@@ -160,7 +188,9 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, name: str | None 
 
     Raises:
         CheckpointError (a ValueError) naming the file and the mismatch: missing files, an
-        unknown format, another architecture, unknown or missing tensors, other shapes.
+        unknown format, another architecture, unknown or missing tensors, other shapes
+        (naming the config's sizing fields and both shapes), non-float dtypes, NaN/inf
+        values, a config a kind refuses (e.g. a LoRA scale beyond ``MAX_SCALE``).
     """
     from .adapters import load_adapters
     from .prefix import load_prefix
@@ -179,35 +209,33 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, name: str | None 
 
 def _load_lora(model: nn.Module, path: Path, name: str | None) -> str:
     meta = read_json(path / CONFIG_NAME)
-    tensors = _read_tensors(path / WEIGHTS_NAME)
+    weights = path / WEIGHTS_NAME
+    header = read_header(weights)  # names, shapes, dtypes: nothing is allocated yet
     if "peft_type" in meta:
-        config, roles_by_site, tensors = _from_peft(model, meta, tensors, path)
+        config, roles_by_site, keys = _from_peft(model, meta, header, path)
         name = "default" if name is None else name
     elif meta.get("kind") == KIND:
         config, roles_by_site = _from_qkv(model, meta, path)
+        keys = {k: k for k in header}
         name = meta.get("name", "default") if name is None else name
     else:
         raise CheckpointError(f"{path / CONFIG_NAME}: not a LoRA adapter (kind "
                               f"{meta.get('kind')!r}, peft_type {meta.get('peft_type')!r})")
+    try:
+        want = lora.planned_shapes(model, config, name=name, roles_by_site=roles_by_site)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: {err}") from err
+    check_header(weights, {k: header[f] for k, f in keys.items()}, want, model=model,
+                 fields=f"r={config.r}, targets {config.targets}")
+    stored = _read_tensors(weights)
+    tensors = {k: stored[f] for k, f in keys.items()}
+    check_finite(weights, tensors)
     try:
         plan = plan_updates(model, config, name, roles_by_site)
     except ValueError as err:
         raise CheckpointError(f"{path}: {err}") from err
     params = {f"{plain_path(site.path)}.{pname}": p
               for site, update in plan for pname, p in update.named_parameters()}
-    missing = sorted(set(params) - set(tensors))
-    unknown = sorted(set(tensors) - set(params))
-    if missing or unknown:
-        raise CheckpointError(f"{path / WEIGHTS_NAME}: does not fit this "
-                              f"{type(model).__name__} with targets {config.targets}: missing "
-                              f"{_few(missing)}, unknown {_few(unknown)}")
-    bad = [f"{k}: file {tuple(tensors[k].shape)}, model {tuple(p.shape)}"
-           for k, p in params.items() if tensors[k].shape != p.shape]
-    bad += [f"{k}: dtype {tensors[k].dtype}" for k in params
-            if not tensors[k].dtype.is_floating_point]
-    if bad:
-        raise CheckpointError(f"{path / WEIGHTS_NAME}: tensors do not fit this "
-                              f"{type(model).__name__}: {_few(bad)}")
     with torch.no_grad():
         for k, p in params.items():
             p.copy_(tensors[k])
@@ -240,9 +268,10 @@ def _from_qkv(model: nn.Module, meta: dict, path: Path) -> tuple[LoraConfig, Non
         raise CheckpointError(f"{path / CONFIG_NAME}: {err}") from err
 
 
-def _from_peft(model: nn.Module, meta: dict, tensors: dict[str, Tensor], path: Path
-               ) -> tuple[LoraConfig, dict[str, tuple[str, ...]], dict[str, Tensor]]:
-    """PEFT's config and tensors -> (LoraConfig, roles per projection path, qkv tensors)."""
+def _from_peft(model: nn.Module, meta: dict, tensors: dict[str, Any], path: Path
+               ) -> tuple[LoraConfig, dict[str, tuple[str, ...]], dict[str, str]]:
+    """PEFT's config and tensor names (``tensors``: the file's header) -> (LoraConfig, roles
+    per projection path, qkv tensor name -> the file's name)."""
     from ..models import BERT, GPT
 
     where = path / CONFIG_NAME
@@ -273,10 +302,10 @@ def _from_peft(model: nn.Module, meta: dict, tensors: dict[str, Tensor], path: P
     else:
         raise CheckpointError(f"{path}: HF PEFT adapters load into qkv GPT (GPT-2) and BERT "
                               f"models, not {type(model).__name__}")
-    out: dict[str, Tensor] = {}
+    out: dict[str, str] = {}
     roles_by_site: dict[str, list[str]] = {}
     unknown = []
-    for key, t in tensors.items():
+    for key in tensors:
         short = key[len(_PEFT_PREFIX):] if key.startswith(_PEFT_PREFIX) else key
         m = pattern.fullmatch(short)
         if m is None:
@@ -285,7 +314,7 @@ def _from_peft(model: nn.Module, meta: dict, tensors: dict[str, Tensor], path: P
         layer, module, ab = m.groups()
         site, role = table[module]
         site = f"layers.{int(layer)}.{site}"
-        out[f"{site}.{ab}_{role}"] = t
+        out[f"{site}.{ab}_{role}"] = key
         roles = roles_by_site.setdefault(site, [])
         if role not in roles:
             roles.append(role)

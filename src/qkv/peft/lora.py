@@ -48,13 +48,15 @@ from torch import Tensor, nn
 from ..modules.attention import MultiHeadAttention
 from ..modules.feedforward import FeedForward, SwiGLU
 from ..modules.linear_attention import LinearAttention
+from ..modules.quantized import QuantizedLinear
 from ..ops.fast_linear import fast_linear
 from .config import LoraConfig
 from .lora_function import LoraLinearFunction, fusable
+from .saving import refresh_save_guard
 
 __all__ = ["LoraLinear", "LoraState", "LoraUpdate", "active_adapter", "adapter_names",
-           "adapter_rows", "add_lora", "disable_adapters", "merge", "set_adapter", "unload",
-           "unmerge"]
+           "adapter_rows", "add_lora", "disable_adapters", "merge", "planned_shapes",
+           "set_adapter", "unload", "unmerge"]
 
 BASE = "base"  # the row name of ``adapter_rows`` for "no adapter"
 _NAME = re.compile(r"[A-Za-z0-9_\-]+")
@@ -178,6 +180,8 @@ class LoraState(nn.ModuleDict):
     ``merged`` (the adapter folded into the weight, or None), ``disabled`` and ``rows`` (the
     per-row adapter names of ``adapter_rows``, or None)."""
 
+    ADAPTER_KIND = "lora"  # what ``qkv.peft.saving`` reads
+
     def __init__(self, roles: dict[str, tuple[int, int]], out_features: int) -> None:
         super().__init__()
         self.roles = dict(roles)
@@ -292,8 +296,9 @@ def _fused_roles(splits: tuple[int, int, int]) -> dict[str, tuple[int, int]]:
     return {"q": (0, q), "k": (q, q + k), "v": (q + k, q + k + v), "qkv": (0, q + k + v)}
 
 
-def _sites(model: nn.Module) -> list[_Site]:
-    """Every projection a LoRA target can name, in module order."""
+def _sites(model: nn.Module, fn: str = "qkv.peft") -> list[_Site]:
+    """Every projection a LoRA target can name, in module order (``fn``: the caller, for
+    errors)."""
     sites = []
     for path, mod in model.named_modules():
         pre = f"{path}." if path else ""
@@ -311,6 +316,12 @@ def _sites(model: nn.Module) -> list[_Site]:
             found.append(("fc_out", {"ffn_out": (0, mod.fc_out.out_features)}))
         for attr, roles in found:
             lin = getattr(mod, attr)
+            if isinstance(lin, QuantizedLinear):
+                raise ValueError(f"{fn}: the model is quantized to int8 ({pre}{attr} is a "
+                                 f"QuantizedLinear, made by qkv.quantize); LoRA adapters live "
+                                 f"on float weights: add, merge or unmerge them before "
+                                 f"quantizing (a merged adapter is part of the int8 weights "
+                                 f"and cannot be taken out), or reload the float model")
             if type(lin) is not nn.Linear and not isinstance(lin, LoraLinear):
                 raise TypeError(f"qkv.peft: {pre}{attr} is a {type(lin).__name__}, not an "
                                 f"nn.Linear; LoRA wraps plain linear projections")
@@ -318,8 +329,8 @@ def _sites(model: nn.Module) -> list[_Site]:
     return sites
 
 
-def _states(model: nn.Module) -> list[tuple[_Site, LoraState]]:
-    return [(s, s.state) for s in _sites(model) if s.state is not None]
+def _states(model: nn.Module, fn: str = "qkv.peft") -> list[tuple[_Site, LoraState]]:
+    return [(s, s.state) for s in _sites(model, fn) if s.state is not None]
 
 
 def _swap(site: _Site, state: LoraState) -> None:
@@ -346,7 +357,7 @@ def _sync(states: list[tuple[_Site, LoraState]]) -> None:
 
 
 def _require(model: nn.Module, fn: str) -> list[tuple[_Site, LoraState]]:
-    states = _states(model)
+    states = _states(model, fn)
     if not states:
         raise ValueError(f"{fn}: the model has no LoRA adapter (add_lora / load_adapter)")
     return states
@@ -382,20 +393,15 @@ def _check_unmerged(states: list[tuple[_Site, LoraState]], fn: str) -> None:
 
 
 # --- building adapters ----------------------------------------------------------------------
-def plan_updates(model: nn.Module, config: LoraConfig, name: str,
-                 roles_by_site: dict[str, tuple[str, ...]] | None = None
-                 ) -> list[tuple[_Site, LoraUpdate]]:
-    """New (site, ``LoraUpdate``) pairs for adapter ``name`` on ``model`` — nothing attached
-    yet. ``roles_by_site`` (path -> roles) overrides ``config.targets`` per projection.
-
-    Raises:
-        ValueError when ``name`` exists, a target matches no projection, or an adapter is
-        merged; TypeError when a projection is not a plain linear layer.
-    """
+def _plan_segments(model: nn.Module, config: LoraConfig, name: str,
+                   roles_by_site: dict[str, tuple[str, ...]] | None
+                   ) -> list[tuple[_Site, list[tuple[str, int, int]]]]:
+    """(site, its (role, lo, hi) segments) of every projection adapter ``name`` would
+    update; every check of ``plan_updates``, nothing allocated."""
     if not isinstance(config, LoraConfig):
         raise TypeError(f"qkv.peft: config must be a LoraConfig, got {type(config).__name__}")
     _check_name(name)
-    sites = _sites(model)
+    sites = _sites(model, "add_lora")
     states = [(s, s.state) for s in sites if s.state is not None]
     _check_unmerged(states, "add_lora")
     if any(state.disabled or state.rows is not None for _, state in states):
@@ -410,14 +416,47 @@ def plan_updates(model: nn.Module, config: LoraConfig, name: str,
         if not segs:
             continue
         used.update(role for role, _, _ in segs)
-        w = site.linear.weight
-        plan.append((site, LoraUpdate(config, segs, site.linear.in_features, device=w.device,
-                                      dtype=w.dtype)))
+        plan.append((site, segs))
     missing = [t for t in config.targets if t not in used]
     if missing:
         raise ValueError(f"add_lora: targets {missing} match no projection of "
                          f"{type(model).__name__} (targets {config.targets})")
     return plan
+
+
+def plan_updates(model: nn.Module, config: LoraConfig, name: str,
+                 roles_by_site: dict[str, tuple[str, ...]] | None = None
+                 ) -> list[tuple[_Site, LoraUpdate]]:
+    """New (site, ``LoraUpdate``) pairs for adapter ``name`` on ``model`` — nothing attached
+    yet. ``roles_by_site`` (path -> roles) overrides ``config.targets`` per projection.
+
+    Raises:
+        ValueError when ``name`` exists, a target matches no projection, an adapter is
+        merged, or the model is quantized; TypeError when a projection is not a plain linear
+        layer.
+    """
+    plan = []
+    for site, segs in _plan_segments(model, config, name, roles_by_site):
+        w = site.linear.weight
+        plan.append((site, LoraUpdate(config, segs, site.linear.in_features, device=w.device,
+                                      dtype=w.dtype)))
+    return plan
+
+
+def planned_shapes(model: nn.Module, config: LoraConfig, *, name: str = "default",
+                   roles_by_site: dict[str, tuple[str, ...]] | None = None
+                   ) -> dict[str, tuple[int, ...]]:
+    """The tensors ``add_lora(model, config, name=name)`` would add, keyed as
+    ``save_adapter`` writes them (``layers.0.attn.in_proj.A_q``: (r, In), ``...B_q``:
+    (Rows, r)), with nothing allocated: what a file's header is checked against before a
+    load, and what a memory estimate counts. Raises as ``plan_updates``."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for site, segs in _plan_segments(model, config, name, roles_by_site):
+        path = plain_path(site.path)
+        for role, lo, hi in segs:
+            shapes[f"{path}.A_{role}"] = (config.r, site.linear.in_features)
+            shapes[f"{path}.B_{role}"] = (hi - lo, config.r)
+    return shapes
 
 
 def attach(model: nn.Module, plan: list[tuple[_Site, LoraUpdate]], name: str) -> None:
@@ -432,6 +471,7 @@ def attach(model: nn.Module, plan: list[tuple[_Site, LoraUpdate]], name: str) ->
             site.linear.lora = state
         state[name] = update
     set_adapter(model, name)
+    refresh_save_guard(model)
 
 
 def add_lora(model: nn.Module, config: LoraConfig, *, name: str = "default") -> nn.Module:
@@ -579,4 +619,5 @@ def unload(model: nn.Module) -> nn.Module:
                         device="meta")
         new.weight, new.bias = lin.weight, lin.bias
         setattr(site.parent, site.attr, new.train(lin.training))
+    refresh_save_guard(model)
     return model

@@ -51,9 +51,11 @@ from .adapters import (
     fit_or_roll_back,
     train_only,
 )
+from .checks import check_finite, check_float_model, check_header, read_header
+from .saving import refresh_save_guard
 
 __all__ = ["PrefixAttention", "PrefixConfig", "PrefixKVCache", "add_prefix", "load_prefix",
-           "prefix_mask", "prefix_names", "remove_prefix", "save_prefix"]
+           "planned_shapes", "prefix_mask", "prefix_names", "remove_prefix", "save_prefix"]
 
 KIND = "prefix"
 
@@ -245,6 +247,8 @@ class PrefixAttention(nn.Module):
         active: the active prefix's name, or None (then exactly ``base``).
     """
 
+    ADAPTER_KIND = "prefix"  # what ``qkv.peft.saving`` reads
+
     def __init__(self, base: MultiHeadAttention) -> None:
         super().__init__()
         self.base = base
@@ -341,35 +345,10 @@ def add_prefix(model: nn.Module, config: PrefixConfig, *, name: str = "default")
 
     Raises:
         TypeError for a wrong ``config``; ValueError for a bad/used name, a model without
-        qkv layers, linear or sliding-window attention, relative-position biases.
+        qkv layers, a model quantized to int8, linear or sliding-window attention,
+        relative-position biases.
     """
-    if not isinstance(config, PrefixConfig):
-        raise TypeError(f"add_prefix: config must be a PrefixConfig, got {type(config).__name__}")
-    if not isinstance(name, str) or not name or "." in name:
-        raise ValueError(f"add_prefix: name must be a non-empty str without '.', got {name!r}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"add_prefix: model must be an nn.Module, got {type(model).__name__}")
-    window = getattr(getattr(model, "config", None), "attention_window", None)
-    if window is not None:
-        raise ValueError(f"add_prefix: sliding-window attention (attention_window={window}) "
-                         f"is not supported with prefix tuning")
-    for attr in ("encoder_bias", "decoder_bias"):  # Transformer's relative positions
-        if getattr(model, attr, None) is not None:
-            raise ValueError(f"add_prefix: the model's {attr} (relative positions, "
-                             f"{type(getattr(model, attr)).__name__}) cannot place prefix keys")
-    layers = [m for m in model.modules() if isinstance(m, (EncoderLayer, DecoderLayer))]
-    if not layers:
-        raise ValueError(f"add_prefix: {type(model).__name__} has no qkv "
-                         f"EncoderLayer/DecoderLayer")
-    sites = [_site(layer) for layer in layers]
-    for owner, attr in sites:
-        attn = getattr(owner, attr)
-        base = attn.base if isinstance(attn, PrefixAttention) else attn
-        if type(base) is not MultiHeadAttention:
-            raise ValueError(f"add_prefix: prefix tuning needs softmax MultiHeadAttention "
-                             f"self-attention, got {type(base).__name__}")
-        if isinstance(attn, PrefixAttention) and name in attn.prefixes:
-            raise ValueError(f"add_prefix: model already has a prefix named {name!r}")
+    sites = _plan(model, config, name, "add_prefix")
     new: list[nn.Parameter] = []
     for owner, attr in sites:
         attn = getattr(owner, attr)
@@ -386,7 +365,60 @@ def add_prefix(model: nn.Module, config: PrefixConfig, *, name: str = "default")
             m.set_active(name)
     model._qkv_prefix_configs = {**getattr(model, "_qkv_prefix_configs", {}), name: config}
     train_only(model, new)
+    refresh_save_guard(model)
     return model
+
+
+def _plan(model: nn.Module, config: PrefixConfig, name: str, who: str
+          ) -> list[tuple[nn.Module, str]]:
+    """(owner, attribute) of every self-attention ``add_prefix`` would give a prefix, after
+    its checks; nothing allocated."""
+    if not isinstance(config, PrefixConfig):
+        raise TypeError(f"{who}: config must be a PrefixConfig, got {type(config).__name__}")
+    if not isinstance(name, str) or not name or "." in name:
+        raise ValueError(f"{who}: name must be a non-empty str without '.', got {name!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{who}: model must be an nn.Module, got {type(model).__name__}")
+    window = getattr(getattr(model, "config", None), "attention_window", None)
+    if window is not None:
+        raise ValueError(f"{who}: sliding-window attention (attention_window={window}) "
+                         f"is not supported with prefix tuning")
+    for attr in ("encoder_bias", "decoder_bias"):  # Transformer's relative positions
+        if getattr(model, attr, None) is not None:
+            raise ValueError(f"{who}: the model's {attr} (relative positions, "
+                             f"{type(getattr(model, attr)).__name__}) cannot place prefix keys")
+    layers = [m for m in model.modules() if isinstance(m, (EncoderLayer, DecoderLayer))]
+    if not layers:
+        raise ValueError(f"{who}: {type(model).__name__} has no qkv "
+                         f"EncoderLayer/DecoderLayer")
+    check_float_model(model, who)
+    sites = [_site(layer) for layer in layers]
+    for owner, attr in sites:
+        attn = getattr(owner, attr)
+        base = attn.base if isinstance(attn, PrefixAttention) else attn
+        if type(base) is not MultiHeadAttention:
+            raise ValueError(f"{who}: prefix tuning needs softmax MultiHeadAttention "
+                             f"self-attention, got {type(base).__name__}")
+        if isinstance(attn, PrefixAttention) and name in attn.prefixes:
+            raise ValueError(f"{who}: model already has a prefix named {name!r}")
+    return sites
+
+
+def planned_shapes(model: nn.Module, config: PrefixConfig, *, name: str = "default"
+                   ) -> dict[str, tuple[int, ...]]:
+    """The tensors ``add_prefix(model, config, name=name)`` would add, keyed as
+    ``save_prefix`` writes them (``layers.0.attn.prefixes.*.keys`` / ``.values``, (Hkv, P,
+    D) each), with nothing allocated. Raises as ``add_prefix``."""
+    paths = {id(m): p for p, m in model.named_modules()}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for owner, attr in _plan(model, config, name, "add_prefix"):
+        attn = getattr(owner, attr)
+        base = attn.base if isinstance(attn, PrefixAttention) else attn
+        pre = f"{paths[id(owner)]}.{attr}" if paths[id(owner)] else attr
+        shape = (base.num_kv_heads, config.num_tokens, base.head_dim)
+        shapes[f"{pre}.prefixes.*.keys"] = shape
+        shapes[f"{pre}.prefixes.*.values"] = shape
+    return shapes
 
 
 def prefix_names(model: nn.Module) -> list[str]:
@@ -418,6 +450,7 @@ def remove_prefix(model: nn.Module, name: str) -> nn.Module:
     configs = dict(getattr(model, "_qkv_prefix_configs", {}))
     configs.pop(name, None)
     model._qkv_prefix_configs = configs
+    refresh_save_guard(model)
     return model
 
 
@@ -471,10 +504,21 @@ def load_prefix(model: nn.Module, path: str | Path, *, name: str | None = None) 
                               f"a {type(model).__name__}")
     try:
         config = PrefixConfig(**meta["config"])
-        state = load_file(str(path / WEIGHTS_NAME))
-    except (TypeError, ValueError, OSError, SafetensorError) as err:
-        raise CheckpointError(f"{path}: cannot read the prefix: {err}") from err
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{path / CONFIG_NAME}: cannot read the prefix: {err}") from err
     name = meta.get("name", "default") if name is None else name
+    try:  # the file's shapes against the config's, before anything is allocated
+        want = planned_shapes(model, config, name=name)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: {err}") from err
+    weights = path / WEIGHTS_NAME
+    check_header(weights, read_header(weights), want, model=model,
+                 fields=f"num_tokens={config.num_tokens!r}")
+    try:
+        state = load_file(str(weights))
+    except (OSError, SafetensorError) as err:
+        raise CheckpointError(f"{weights}: cannot read the prefix: {err}") from err
+    check_finite(weights, state)
     grads = {id(p): p.requires_grad for p in model.parameters()}
     actives = {m: m.active for m in model.modules() if isinstance(m, PrefixAttention)}
     try:

@@ -10,7 +10,8 @@ A run directory written by ``qkv train --out RUN``::
         config.json, model.safetensors   the model (``Model.from_pretrained(RUN/checkpoint)``)
                                          — or, for a run with ``peft`` (``qkv.train.finetune``):
         adapter_config.json,             the adapter only (``qkv.peft.load_adapter``), and
-        adapter_model.safetensors, base.json  the base it adapts: {path, sha256 of weights}
+        adapter_model.safetensors, base.json  the base it adapts: {path, sha256 of weights,
+                                         config_sha256}
         tokenizer.json                   the ``qkv.data`` tokenizer
         (kind's own JSON files)          e.g. clip: preprocessor_config.json (images)
         run.json                         a copy of the training configuration

@@ -9,9 +9,18 @@ fit that length — both checked before anything is written.
 **AdapterConfig fields}`` or ``{"kind": "prefix", **PrefixConfig fields}`` (``qkv.peft``):
 only the new parameters train, and the run's checkpoints hold only them
 (``adapter_config.json`` + ``adapter_model.safetensors``) with ``base.json``, which names the
-base: ``{"path": its checkpoint directory (absolute), "sha256": of its model.safetensors}``.
+base and what defines it: ``{"path": its checkpoint directory (absolute), "sha256": of its
+model.safetensors, "config_sha256": of its config.json as canonical JSON}`` (keys sorted, no
+spaces, UTF-8: ``config_sha256``; so re-indenting config.json changes nothing, while any
+changed value — ``activation`` gelu_tanh -> relu — is a changed model).
 Loading such a run (``load_run``, resume, ``qkv translate|generate|attention``) refuses a
-base that is missing or whose weights changed since, naming the base's path.
+base that is missing, whose weights changed or whose config changed since, naming the base's
+path and which of the two changed. A run made before qkv recorded the config (base.json
+without ``config_sha256``) still loads: what it recorded, the weights, is checked.
+The adapter's memory is checked before it is built (``qkv.train.memory.check_adapter_fits``),
+so ``r=10000000`` is one line with the estimate, not an allocator error. A base quantized to
+int8 (``qkv.quantize``: quantization.json beside its config) is refused: int8 layers have no
+gradient.
 ``init_from`` without ``peft`` is full fine-tuning: the checkpoints are whole models.
 ``peft`` without ``init_from`` is refused: adapters on a randomly initialised, frozen model
 have nothing to adapt, and the run could not name a base to reload.
@@ -25,6 +34,9 @@ so).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -32,15 +44,16 @@ from typing import Any
 from torch import nn
 
 from ..models import CheckpointError
-from ..models.hub import read_json
+from ..models.hub import QUANT_NAME, read_json
 from .checkpoint import MODEL_CLASSES, find_checkpoint
 from .kinds import get_kind, kind_of_model, kind_of_model_type
+from .memory import check_adapter_fits
 from .rundir import file_fingerprint
 from .setup import DEFAULT_TEXT_WINDOW, _data, _max_len, _read, trains_on_pairs
 
 __all__ = ["BASE_JSON", "PEFT_KINDS", "BaseModel", "attach_peft", "base_model_kind",
-           "check_base", "is_adapter_checkpoint", "load_adapter_run", "load_base",
-           "peft_config", "prepare_base_data", "prepare_token_base_data"]
+           "check_base", "config_sha256", "is_adapter_checkpoint", "load_adapter_run",
+           "load_base", "peft_config", "prepare_base_data", "prepare_token_base_data"]
 
 BASE_JSON = "base.json"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -84,12 +97,29 @@ def normalise_peft(spec: dict[str, Any]) -> dict[str, Any]:
     return {"kind": kind, **config.to_dict()}
 
 
+#: how a run's banner and errors name each ``peft`` kind, and the flag that sizes it
+PEFT_LABELS = {"lora": ("LoRA adapter", "--lora r=..."),
+               "adapters": ("bottleneck adapters", "--adapters reduction_factor=..."),
+               "prefix": ("prefix", "--prefix N")}
+
+
 def attach_peft(model: nn.Module, spec: dict[str, Any]) -> nn.Module:
     """Add the adapter ``spec`` describes to ``model`` (named "default"); everything else
-    is frozen. Returns ``model``."""
-    from ..peft import add_adapters, add_lora, add_prefix
+    is frozen. Returns ``model``.
+
+    Raises:
+        ValueError: as ``peft_config``; the adapter does not fit this model; or its
+            parameters (counted from the config, before anything is built) cannot fit in
+            the memory this machine has (``qkv.train.memory.check_adapter_fits``)."""
+    from ..peft import adapter_shapes, add_adapters, add_lora, add_prefix
 
     kind, config = peft_config(spec)
+    shapes = adapter_shapes(model, config)
+    label, flag = PEFT_LABELS[kind]
+    fields = ", ".join(f"{k}={v}" for k, v in config.to_dict().items()
+                       if k in ("r", "targets", "reduction_factor", "placement", "num_tokens"))
+    check_adapter_fits(sum(math.prod(s) for s in shapes.values()),
+                       what=f"the {label} ({fields})", lower=flag)
     add = {"lora": add_lora, "adapters": add_adapters, "prefix": add_prefix}[kind]
     return add(model, config)
 
@@ -118,10 +148,19 @@ def _base_dir(init_from: str | os.PathLike) -> Path:
         except CheckpointError as exc:
             raise CheckpointError(f"--init-from {path}: not a qkv run or checkpoint, nor a "
                                   f"HuggingFace directory ({exc})") from None
+    if (ckpt / QUANT_NAME).is_file():
+        raise CheckpointError(f"--init-from {path}: the base is quantized to int8 "
+                              f"({ckpt / QUANT_NAME}, made by qkv.quantize); int8 layers have "
+                              f"no gradient, so it cannot be fine-tuned or given adapters: "
+                              f"start from the float model it was quantized from")
     if is_adapter_checkpoint(ckpt):
         raise CheckpointError(f"--init-from {path} is itself an adapter run (its checkpoint "
                               f"holds only an adapter); merge it first with `qkv peft merge "
                               f"{path} --out DIR` and start from DIR")
+    if (ckpt / "sharded.json").is_file():
+        raise CheckpointError(f"--init-from {path} is a `qkv train --fsdp` run (a sharded "
+                              f"checkpoint): `qkv export {path} --out DIR` gathers it into "
+                              f"one model directory; start from DIR")
     if not (ckpt / "model.safetensors").is_file():
         raise CheckpointError(f"--init-from {path}: {ckpt} has no model.safetensors (a "
                               f"pytorch_model.bin alone is refused: convert it to "
@@ -165,15 +204,28 @@ def _load_tokenizer(ckpt: Path) -> Any:
                 f"<eos> <unk> at ids 0..3 (GPT-2's tokenizer has none of them)") from None
 
 
+def config_sha256(ckpt: str | os.PathLike) -> str:
+    """sha256 (hex) of ``ckpt/config.json`` as canonical JSON: keys sorted, separators
+    ``,`` and ``:`` without spaces, UTF-8 — the same for any formatting of the same values.
+
+    Raises:
+        CheckpointError: no readable config.json."""
+    data = read_json(Path(ckpt) / "config.json")
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 @dataclasses.dataclass
 class BaseModel:
     """A loaded base: ``model`` (train mode off), ``tokenizer``, ``path`` (the absolute
-    checkpoint directory) and ``sha256`` of its model.safetensors."""
+    checkpoint directory), ``sha256`` of its model.safetensors and ``config_sha256`` of its
+    config.json (``config_sha256``)."""
 
     model: nn.Module
     tokenizer: Any
     path: Path
     sha256: str
+    config_sha256: str
 
     @property
     def max_len(self) -> int | None:
@@ -183,7 +235,8 @@ class BaseModel:
 
     def info(self) -> dict[str, str]:
         """base.json's content."""
-        return {"path": str(self.path), "sha256": self.sha256}
+        return {"path": str(self.path), "sha256": self.sha256,
+                "config_sha256": self.config_sha256}
 
 
 def base_model_kind(init_from: str | os.PathLike) -> str:
@@ -208,13 +261,14 @@ def load_base(init_from: str | os.PathLike, want: str) -> BaseModel:
     """
     ckpt = _base_dir(init_from)
     sha = file_fingerprint(ckpt / "model.safetensors")["sha256"]
+    config_sha = config_sha256(ckpt)
     model = _load_model(ckpt)
     kind = model_kind(model)
     if kind != want:
         raise ValueError(f"--model {want} does not match the base {init_from}, a "
                          f"{type(model).__name__} (--model {kind})")
     get_kind(kind).check_base(model, init_from)
-    return BaseModel(model, _load_tokenizer(ckpt), ckpt, sha)
+    return BaseModel(model, _load_tokenizer(ckpt), ckpt, sha, config_sha)
 
 
 def _texts(config: Any, raw: Any) -> list[str]:
@@ -289,18 +343,22 @@ def prepare_token_base_data(config: Any, kind: Any, tokenizer: Any, base_max_len
 
 def check_base(ckpt: str | os.PathLike) -> dict[str, str]:
     """base.json of an adapter checkpoint, after checking that the base is still there and
-    unchanged (sha256 of its model.safetensors). Returns base.json's content.
+    unchanged: the sha256 of its model.safetensors and, where base.json records it
+    (``config_sha256``; runs made before it was recorded have only the weights' sha256,
+    which is then what is checked), of its config.json. Returns base.json's content.
 
     Raises:
         CheckpointError: naming the base's path — base.json unreadable, the base missing,
-            or its weights changed since the run began.
+            or its weights or its config changed since the run began.
     """
     ckpt = Path(ckpt)
     info = read_json(ckpt / BASE_JSON)
     path, sha = info.get("path"), info.get("sha256")
-    if not isinstance(path, str) or not isinstance(sha, str):
-        raise CheckpointError(f"{ckpt / BASE_JSON}: expected {{\"path\", \"sha256\"}}, got "
-                              f"{info}")
+    config_sha = info.get("config_sha256")
+    if (not isinstance(path, str) or not isinstance(sha, str)
+            or not isinstance(config_sha, (str, type(None)))):
+        raise CheckpointError(f"{ckpt / BASE_JSON}: expected {{\"path\", \"sha256\", "
+                              f"\"config_sha256\"}} strings, got {info}")
     weights = Path(path) / "model.safetensors"
     if not weights.is_file():
         raise CheckpointError(f"{ckpt}: the adapter's base {path} is missing (no "
@@ -310,6 +368,17 @@ def check_base(ckpt: str | os.PathLike) -> dict[str, str]:
         raise CheckpointError(f"{ckpt}: the adapter's base {path} changed since the run began "
                               f"(sha256 {sha[:12]}... -> {now[:12]}...): the adapter was "
                               f"trained on other weights; restore the base or start a new run")
+    if config_sha is not None:
+        if not (Path(path) / "config.json").is_file():
+            raise CheckpointError(f"{ckpt}: the adapter's base {path} is missing its "
+                                  f"config.json; put the base back at that path")
+        now = config_sha256(path)
+        if now != config_sha:
+            raise CheckpointError(f"{ckpt}: the adapter's base {path} changed since the run "
+                                  f"began: its config.json holds other values (sha256 of its "
+                                  f"canonical JSON {config_sha[:12]}... -> {now[:12]}...), so "
+                                  f"it is another model than the adapter was trained on; "
+                                  f"restore the base's config.json or start a new run")
     return info
 
 

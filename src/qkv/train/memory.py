@@ -31,6 +31,11 @@ Under ``--fsdp`` over W processes and with ``--activation-checkpointing``
   layer's full activations while it is recomputed: the plain figure times
   ``1 / (10 + 2 F / C) + 1 / L``.
 
+An adapter (``TrainConfig.peft``) is counted before it is built: its parameters, from its
+config and the base's shapes (``qkv.peft.adapter_shapes``), at 16 bytes each (fp32 weight,
+gradient and AdamW's two moments), against the memory available once the base is loaded
+(``check_adapter_fits``); the whole step, adapter included, is then checked as above.
+
 The estimate errs low on purpose (it leaves out the allocator's slack, the optimizer's
 temporaries, evaluation), so a refusal means the run certainly cannot fit; a run that passes
 can still run out of memory. ``available_bytes`` reads ``MemAvailable`` from /proc/meminfo,
@@ -46,8 +51,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MemoryEstimate", "available_bytes", "check_estimate_fits", "check_training_fits",
-           "estimate_stacks_bytes", "estimate_training_bytes", "format_bytes", "scale_estimate"]
+__all__ = ["MemoryEstimate", "adapter_bytes", "available_bytes", "check_adapter_fits",
+           "check_estimate_fits", "check_training_fits", "estimate_stacks_bytes",
+           "estimate_training_bytes", "format_bytes", "scale_estimate"]
 
 FP32 = 4
 
@@ -218,3 +224,27 @@ def check_estimate_fits(est: MemoryEstimate, *, batch_size: int, seq_len: int,
                      f"batch_size={batch_size} x {seq_len} tokens) but {where} has "
                      f"{format_bytes(have)} available; lower --max-len, --batch-size, "
                      f"--eval-examples or the model size")
+
+
+def adapter_bytes(parameters: int) -> int:
+    """Bytes a new trainable adapter of ``parameters`` numbers needs at the least: its fp32
+    weights, their gradients and AdamW's two moments, 16 bytes a parameter."""
+    return 4 * FP32 * int(parameters)
+
+
+def check_adapter_fits(parameters: int, *, what: str = "the adapter", lower: str = "its size",
+                       device: torch.device | None = None) -> int:
+    """Raise ``ValueError`` (one line, with the numbers) when an adapter of ``parameters``
+    trainable numbers (``adapter_bytes``) cannot fit in ``available_bytes(device)`` — to be
+    called before it is built. ``what`` names it, ``lower`` the setting to lower (e.g.
+    "--lora r=..."). Returns the bytes (also when the available memory is unknown)."""
+    need = adapter_bytes(parameters)
+    have = available_bytes(device)
+    if have is not None and need > have:
+        where = f"{device.type} device" if device is not None and device.type == "cuda" else \
+            "this machine"
+        raise ValueError(f"{what} adds {int(parameters):,} parameters, which need at least "
+                         f"{format_bytes(need)} (fp32 weights, gradients and AdamW moments, "
+                         f"16 bytes each) but {where} has {format_bytes(have)} available; "
+                         f"lower {lower}")
+    return need
