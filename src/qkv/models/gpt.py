@@ -522,8 +522,12 @@ class GPT(PretrainedMixin, nn.Module):
         if not bool(ok.all()):
             raise ValueError(f"GPT.loss: target {int(t[~ok][0])} is out of range for "
                              f"vocab_size={self.config.vocab_size}")
-        return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]), self.lm_head.weight, t,
-                                         ignore_index, chunk)
+        weight = self.lm_head.weight
+        # under autocast the hidden states may be bf16/fp16 while the head is fp32: the head
+        # and its softmax run in the head's dtype (as autocast runs cross-entropy in fp32)
+        with torch.autocast(h.device.type, enabled=False):
+            return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]).to(weight.dtype),
+                                             weight, t, ignore_index, chunk)
 
     # --- HuggingFace --------------------------------------------------------------------------
     @classmethod
