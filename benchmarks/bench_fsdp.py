@@ -105,6 +105,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import torch.distributed as dist
 
+    from qkv.train.distributed import World, teardown_world
     from qkv.train.sharding import shard_model
 
     torch.set_num_threads(1)
@@ -148,8 +149,16 @@ def worker(args: argparse.Namespace) -> None:
         "num_params": sum(p.numel() for p in model.parameters()),
     }
     Path(f"{args.out}.{rank}").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+    # leave the group as `qkv train` does: dropping the DDP wrapper while gloo's workers still
+    # finish its last all-reduce can deadlock (qkv.train.distributed); a sharded model keeps
+    # the group for the process's life, so that rank ends without the interpreter's shutdown
+    box = {"wrapped": wrapped}
+    del wrapped, model, opt
+    freed = teardown_world(World(rank=rank, size=WORLD), release=box.clear)
+    if not freed:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _free_port() -> int:

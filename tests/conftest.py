@@ -14,8 +14,11 @@ Tolerances (``TOL``) are stated once, in one table, and quoted at each use.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
+import signal
+import subprocess
 import zlib
 from collections.abc import Callable
 
@@ -96,6 +99,33 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def run_bounded(cmd: list[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, ...)`` for a child that may hang,
+    with its own children (torchrun ranks, say): it runs in a session of its own with Python's
+    faulthandler on, and after ``timeout`` seconds the whole session gets SIGABRT (every
+    Python process there prints all its threads' stacks to stderr), then SIGKILL; the test
+    fails with that stderr. Keep ``timeout`` under the test's own limit."""
+    env = {**(kwargs.pop("env", None) or os.environ), "PYTHONFAULTHANDLER": "1"}
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env, start_new_session=True, **kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for sig, wait in ((signal.SIGABRT, 10), (signal.SIGKILL, 30)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
+                try:
+                    out, err = proc.communicate(timeout=wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            else:
+                out, err = "", ""
+            pytest.fail(f"{' '.join(cmd)} still ran after {timeout:.0f} s; its stacks "
+                        f"(stderr):\n{(err or '')[-6000:]}", pytrace=False)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 # ------------------------------------------------------------------ thread-local state

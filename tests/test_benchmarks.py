@@ -6,11 +6,12 @@ timings are never asserted.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import run_bounded
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("bench_*.py"))
@@ -19,8 +20,9 @@ SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("bench_*.py"))
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_benchmark_quick_mode_runs(script):
-    result = subprocess.run([sys.executable, "-m", f"benchmarks.{script}", "--quick"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    # under the test's 300-s limit, so that a hang shows the script's own stacks
+    result = run_bounded([sys.executable, "-m", f"benchmarks.{script}", "--quick"], cwd=ROOT,
+                         timeout=270)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "|" in result.stdout  # printed a table
     # and the CPU it ran on, model name and vector extensions (benchmarks/_harness.cpu_line)

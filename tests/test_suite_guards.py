@@ -8,6 +8,8 @@ Oracles: inner pytest sessions (pytester) with the real conftest, and the tests'
 from __future__ import annotations
 
 import ast
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -96,3 +98,35 @@ def test_every_subprocess_a_test_starts_is_bounded():
 def _looks_like_a_process(owner: ast.expr) -> bool:
     text = ast.unparse(owner)
     return any(w in text for w in ("proc", "child", "process", "Popen"))
+
+
+
+_HANGS_WITH_A_CHILD = """
+import pathlib, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+pathlib.Path("grandchild.pid").write_text(str(child.pid))
+def waiting_forever():
+    time.sleep(600)
+waiting_forever()
+"""
+
+
+def _alive(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc (Linux)")
+def test_a_hanging_child_fails_with_its_stacks_and_leaves_no_process(tmp_path):
+    from conftest import run_bounded
+
+    with pytest.raises(pytest.fail.Exception) as failed:
+        run_bounded([sys.executable, "-c", _HANGS_WITH_A_CHILD], timeout=5, cwd=tmp_path)
+    message = str(failed.value)
+    assert "still ran after 5 s" in message
+    assert "waiting_forever" in message  # the child's own stack, dumped by faulthandler
+    grandchild = int((tmp_path / "grandchild.pid").read_text())
+    deadline = time.monotonic() + 10
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild)  # its whole session was ended

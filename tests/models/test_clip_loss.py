@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from qkv.models import clip_loss
+from qkv.train.distributed import settle_gloo_workers
 
 
 def formula(img: torch.Tensor, txt: torch.Tensor, scale) -> torch.Tensor:
@@ -127,6 +128,7 @@ def _worker(rank: int, init_file: str, out_dir: str, unequal: bool) -> None:
         torch.save({"loss": loss.detach(), "proj": proj.grad, "scale": log_s.grad},
                    os.path.join(out_dir, f"{rank}.pt"))
     finally:
+        settle_gloo_workers(timeout_s=10)  # no worker may still need the GIL (the gloo deadlock)
         dist.destroy_process_group()
 
 

@@ -38,6 +38,9 @@ def _entry(rank: int, world: int, store: str, fn: Any, err_dir: str, args: tuple
     Path(err_dir, f"rank{rank}.txt").write_text(text)
     if not text:
         dist.barrier()  # everyone done before the group goes away (gloo shutdown)
+    from qkv.train.distributed import settle_gloo_workers
+
+    settle_gloo_workers(timeout_s=10)  # no worker may still need the GIL (the gloo deadlock)
     dist.destroy_process_group()
 
 
