@@ -15,13 +15,13 @@ import json
 import math
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import run_bounded
 from qkv.cli import main
 from qkv.data import ShapesDataset
 from qkv.data.shapes import COLOURS, COMBINATIONS, SHAPES
@@ -387,13 +387,12 @@ def test_two_gloo_processes_match_one(tmp_path):
             "--steps", "3", "--batch-size", "8", "--lr", "1e-2", "--warmup", "1",
             "--eval-every", "3", "--eval-examples", "4", "--no-progress", "--device", "cpu"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, "-m", "qkv.cli", *args, "--out", str(tmp_path / "one")],
-                         capture_output=True, text=True, env=env, timeout=300)
+    one = run_bounded([sys.executable, "-m", "qkv.cli", *args, "--out", str(tmp_path / "one")],
+                      env=env, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(_free_port()), "-m", "qkv.cli", *args, "--out",
-                          str(tmp_path / "two")], capture_output=True, text=True, env=env,
-                         timeout=300)
+    two = run_bounded([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                       "--master-port", str(_free_port()), "-m", "qkv.cli", *args, "--out",
+                       str(tmp_path / "two")], env=env, timeout=300)
     assert two.returncode == 0, two.stderr[-2000:]
     a, b = step_losses(tmp_path / "one"), step_losses(tmp_path / "two")
     assert len(a) == len(b) == 3

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import run_bounded
 
 ARGS = ["train", "--task", "copy", "--set", "dim=32", "--set", "num_heads=2", "--set",
         "dropout=0.0", "--steps", "4", "--batch-size", "8", "--lr", "1e-2", "--warmup", "1",
@@ -39,13 +40,12 @@ def step_losses(run: Path) -> list[float]:
 def test_two_gloo_processes_match_one(tmp_path, model):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args = [*ARGS, *MODELS[model]]
-    one = subprocess.run([sys.executable, "-m", "qkv.cli", *args, "--out", str(tmp_path / "one")],
-                         capture_output=True, text=True, env=env, timeout=300)
+    one = run_bounded([sys.executable, "-m", "qkv.cli", *args, "--out", str(tmp_path / "one")],
+                      env=env, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(free_port()), "-m", "qkv.cli", *args, "--out",
-                          str(tmp_path / "two")], capture_output=True, text=True, env=env,
-                         timeout=300)
+    two = run_bounded([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                       "--master-port", str(free_port()), "-m", "qkv.cli", *args, "--out",
+                       str(tmp_path / "two")], env=env, timeout=300)
     assert two.returncode == 0, two.stderr[-2000:]
     a, b = step_losses(tmp_path / "one"), step_losses(tmp_path / "two")
     assert len(a) == len(b) == 4

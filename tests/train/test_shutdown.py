@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import qkv.cli.train as train_cli
+from conftest import run_bounded
 from qkv.cli import main
 from qkv.train.distributed import World, teardown_world
 
@@ -105,8 +105,8 @@ def test_python_m_qkv_cli_skips_the_shutdown_only_when_the_group_outlives_the_ru
     """In a real ``python -m qkv.cli`` process a finished --fsdp run exits 0 without the
     interpreter's shutdown (where gloo's threads aborted it); a plain run exits normally."""
     args = ["train", *TINY, "--out", str(tmp_path / "run")] + (["--fsdp"] if fsdp else [])
-    done = subprocess.run([sys.executable, "-c", _RUN_AS_CLI, *args], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = run_bounded([sys.executable, "-c", _RUN_AS_CLI, *args], timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "qkv train: done" in done.stdout
     assert ("interpreter shutdown ran" in done.stdout) is not fsdp
@@ -145,10 +145,10 @@ def test_two_processes_free_the_group_under_ddp_and_say_so_under_fsdp(tmp_path, 
     script = tmp_path / "run.py"
     script.write_text(_TRAIN_AND_REPORT)
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                           "2", "--master-port", str(free_port()), str(script), str(out), mode],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "QKV_DIST_TIMEOUT": "60"})
+    done = run_bounded([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                        "2", "--master-port", str(free_port()), str(script), str(out), mode],
+                       timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "QKV_DIST_TIMEOUT": "60"})
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         report = json.loads((out / f"rank{rank}.json").read_text())

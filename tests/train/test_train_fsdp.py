@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 import torch
 from _spawn import assert_weights_match, spawn
 
+from conftest import run_bounded
 from qkv.cli import main
 from qkv.models import CheckpointError
 from qkv.train import TrainConfig, Trainer, TrainingError, load_run
@@ -291,7 +291,7 @@ def _torchrun(args: list[str], out: Path, nproc: int) -> None:
            "--master-port", str(free_port()), "-m", "qkv.cli", *args]
     if nproc == 1:
         cmd = [sys.executable, "-m", "qkv.cli", *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    done = run_bounded(cmd, env=env, timeout=240)
     # a finished run exits 0 on every rank (no gloo abort at shutdown: test_shutdown.py)
     assert done.returncode == 0, done.stderr[-3000:]
     if "--resume" not in args:
