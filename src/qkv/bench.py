@@ -279,7 +279,7 @@ def plot(results: Sequence[Measurement], path: str | Path, *, window: int = 512,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .models.hub import atomic_write
+    from .files import atomic_write
 
     path = Path(path)
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.5))

@@ -107,7 +107,7 @@ def _utf8_io(argv: list[str] | None) -> list[str] | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``qkv`` console script; returns the exit status."""
-    from ..models.hub import CheckpointError
+    from ..files import CheckpointError
 
     argv = _utf8_io(argv)
     args = build_parser().parse_args(argv)

@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    from ..models.hub import atomic_write, read_json
+    from ..files import atomic_write, read_json
     from ..outputs import new_output_dir
     from ..peft import adapter_file_kind
     from ..train.checkpoint import find_checkpoint

@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_merge(args: argparse.Namespace) -> int:
-    from ..models.hub import atomic_write
+    from ..files import atomic_write
     from ..outputs import new_output_dir
     from ..peft import adapter_file_kind, merge, unload
     from ..train.checkpoint import find_checkpoint, load_run, read_run_info

@@ -94,7 +94,7 @@ class _Base:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the tokenizer as one JSON file, atomically (temp file + rename)."""
-        from qkv.models.hub import atomic_write
+        from qkv.files import atomic_write
 
         text = json.dumps({"kind": self.kind, "version": _FORMAT_VERSION, **self._payload()},
                           ensure_ascii=False)

@@ -218,7 +218,7 @@ def run_clip_demo(*, out: str | None = None, steps: int | None = None, quick: bo
         caption_for,
         class_prompts,
     )
-    from ..models.hub import atomic_write
+    from ..files import atomic_write
     from ..outputs import new_output_dir
     from ..train import load_run
     from ..train.rundir import RunDirLock

@@ -48,8 +48,8 @@ from ..data import (
     coref_sentence,
     coref_vocabulary,
 )
+from ..files import atomic_write
 from ..models import BERT, BERTConfig
-from ..models.hub import atomic_write
 from ..outputs import new_output_dir
 
 __all__ = ["CHANCE", "coref_batch", "coref_model", "evaluate_coref", "pronoun_noun_attention",

@@ -74,8 +74,8 @@ def run_dates_demo(*, out: str | None = None, quick: bool = False, seed: int = 0
         seed: model initialisation and dropout.
     """
     from ..data import get_task
+    from ..files import atomic_write
     from ..generation import translate
-    from ..models.hub import atomic_write
     from ..outputs import new_output_dir
     from ..train import TrainConfig, Trainer, exact_match
     from ..train.rundir import RunDirLock

@@ -127,7 +127,7 @@ def check_vision_run(vision: str | Path) -> Path:
     Raises:
         ValueError: naming ``--vision`` and what it is instead.
     """
-    from ..models.hub import CheckpointError, read_json
+    from ..files import CheckpointError, read_json
     from ..train import find_checkpoint
 
     try:
@@ -304,8 +304,8 @@ def run_flamingo_demo(out: str | None = None, *, steps: int | None = None, seed:
     """
     from ..data import CharTokenizer
     from ..data.shapes_qa import ShapesQADataset, image_token_id, qa_alphabet
+    from ..files import atomic_write
     from ..models import Flamingo
-    from ..models.hub import atomic_write
     from ..outputs import new_output_dir
     from ..train import TrainConfig, Trainer, find_checkpoint, load_run
     from ..train.rundir import RunDirLock

@@ -68,7 +68,7 @@ def check_base(base: str | Path) -> Path:
     Raises:
         ValueError: naming ``--base`` and what it is instead (no run, another model or task).
     """
-    from ..models.hub import CheckpointError, read_json
+    from ..files import CheckpointError, read_json
     from ..train.checkpoint import find_checkpoint, read_run_info
 
     try:
@@ -154,8 +154,8 @@ def run_lora_demo(*, out: str | None = None, base: str | None = None, quick: boo
         ValueError: ``out`` not new/empty; ``base`` not a dates encoder-decoder run.
     """
     from ..data import get_task
+    from ..files import atomic_write
     from ..generation import translate
-    from ..models.hub import atomic_write
     from ..outputs import new_output_dir
     from ..peft import disable_adapters
     from ..train import exact_match, find_checkpoint, load_run

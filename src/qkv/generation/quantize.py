@@ -22,7 +22,7 @@ from pathlib import Path
 
 from torch import nn
 
-from ..models.hub import CONFIG_NAME, QUANT_NAME, CheckpointError, read_json
+from ..files import CONFIG_NAME, QUANT_NAME, CheckpointError, read_json
 from ..models.quantized import (
     MODELS,
     QuantizedMLMHead,

@@ -7,14 +7,11 @@ renamed into place, so a process killed while saving leaves the previous files l
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
 import os
 import re
-import stat
-import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -25,103 +22,25 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from ..files import (
+    CONFIG_NAME,
+    FSDP_MARK,
+    INDEX_NAME,
+    PICKLE_NAME,
+    QUANT_NAME,
+    WEIGHTS_NAME,
+    CheckpointError,
+    atomic_write,
+    is_regular_file,
+    read_json,
+    refuse_adapter_directory,
+)
+
 __all__ = ["CheckpointError", "CheckpointWeights", "ModelConfig", "PretrainedMixin",
            "atomic_write", "check_against_header", "check_layer_counts", "check_norm_eps",
            "load_state_dict_file", "load_tokenizer", "read_json", "same_values"]
 
 C = TypeVar("C", bound="ModelConfig")
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-PICKLE_NAME = "pytorch_model.bin"
-QUANT_NAME = "quantization.json"  # beside config.json for a model quantized with qkv.quantize
-INDEX_NAME = "model.safetensors.index.json"  # a sharded HF checkpoint: tensor -> shard file
-FSDP_MARK = "sharded.json"  # a `qkv train --fsdp` checkpoint (DCP shards, not a model file)
-ADAPTER_MARK = "adapter_config.json"  # an adapter run's checkpoint (no whole model)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be loaded: missing files, mismatched keys/shapes, bad format.
-
-    ``shape_pairs`` (set by ``check_and_load`` and ``hf_state.map_hf_state`` when tensors are
-    mis-shaped): the (checkpoint shape, model shape) of each, read by
-    ``check_against_header`` to name the config fields that give the model's sizes."""
-
-    shape_pairs: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
-
-
-def _process_umask() -> int:
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return umask
-
-
-#: read once at import (changing the umask is process-wide; doing it per call would race)
-_FILE_MODE = 0o666 & ~_process_umask()
-
-
-def atomic_write(path: Path, write) -> None:
-    """Call ``write(tmp_path)`` then rename the temporary file onto ``path``: a reader (or a
-    process killed mid-write) sees the old file or the new one, never half of one. The file
-    gets the permissions a plain ``open(path, "w")`` would (0666 less the umask), not the
-    temporary file's private 0600. The file is fsynced before the rename and its directory
-    after it, so a power cut leaves the old file or the complete new one."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, _FILE_MODE)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # the data on disk before the name points at it
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    try:  # the rename itself on disk; some platforms cannot sync a directory
-        fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def read_json(path: Path) -> dict:
-    """Read a JSON object, with a clear error naming the file. A config.json missing from an
-    adapter run's checkpoint (adapter_config.json beside it) says what the directory is."""
-    path = Path(path)
-    if path.name == CONFIG_NAME and not path.exists():
-        _refuse_adapter_directory(path.parent)
-    if path.exists() and not _is_regular_file(path):  # a FIFO would block the read
-        raise CheckpointError(f"{path}: not a regular file")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"cannot read {path}: {err}") from err
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _refuse_adapter_directory(directory: Path) -> None:
-    """Raise the CheckpointError for an adapter checkpoint given where a model is needed."""
-    if not (directory / ADAPTER_MARK).is_file():
-        return
-    base = ""
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        base = str(json.loads((directory / "base.json").read_text()).get("path") or "")
-    where = f" ({base})" if base else ""
-    raise CheckpointError(f"{directory} holds an adapter ({ADAPTER_MARK}), not a whole model: "
-                          f"it is an adapter run's checkpoint; pass its base{where} instead, "
-                          f"or merge it first (`qkv peft merge RUN --out DIR`) and pass DIR")
-
 
 #: the accepted range of a norm's epsilon: positive, finite, not lost in fp32 (its smallest
 #: normal is 1.2e-38), and at most 1 (a larger one swamps the variance it is added to)
@@ -196,19 +115,10 @@ _ST_DTYPES = {name: getattr(torch, attr) for name, attr in (
     ("U16", "uint16"), ("U8", "uint8"), ("BOOL", "bool")) if hasattr(torch, attr)}
 
 
-def _is_regular_file(path: Path) -> bool:
-    """A regular file (after symlinks: the HF cache links snapshots to blobs), not a FIFO,
-    device, directory or dangling link."""
-    try:
-        return stat.S_ISREG(path.stat().st_mode)
-    except OSError:
-        return False
-
-
 def _read_header(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """name -> (dtype, shape) of every tensor of a safetensors file, from its header (the
     library checks the header against the file's size); no tensor data is read."""
-    if not _is_regular_file(path):
+    if not is_regular_file(path):
         raise CheckpointError(f"{path}: not a regular file")
     try:
         found = {}
@@ -292,14 +202,14 @@ class CheckpointWeights:
                     f"shards, no {WEIGHTS_NAME}): `qkv export RUN --out DIR` gathers it into a "
                     f"plain model directory; load DIR (qkv.train.load_run reads the run as "
                     f"it is)")
-            _refuse_adapter_directory(directory)
+            refuse_adapter_directory(directory)
             raise CheckpointError(f"{directory}: no {WEIGHTS_NAME}, {INDEX_NAME} (or "
                                   f"{PICKLE_NAME}) found")
 
     def _read_index(self, index: Path) -> None:
         for file, names in _shard_files(index).items():
             path = self.directory / file
-            if not _is_regular_file(path):
+            if not is_regular_file(path):
                 raise CheckpointError(f"{index}: shard {file} is missing (or not a regular "
                                       f"file)")
             header = _read_header(path)
@@ -347,7 +257,7 @@ def _load_pickle(directory: Path, allow_pickle: bool) -> dict[str, Tensor]:
             f"{directory} holds only {PICKLE_NAME}, a pickle that can run code when "
             f"loaded; convert it to {WEIGHTS_NAME}, or pass allow_pickle=True to load it "
             f"with torch.load(weights_only=True)")
-    if not _is_regular_file(pickle):
+    if not is_regular_file(pickle):
         raise CheckpointError(f"{pickle}: not a regular file")
     try:
         state = torch.load(pickle, map_location="cpu", weights_only=True)

@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
-from ..models.hub import CheckpointError
+from ..files import CheckpointError
 from ..modules.quantized import QuantizedLinear
 
 __all__ = ["check_finite", "check_float_model", "check_header", "read_header"]

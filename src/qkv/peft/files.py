@@ -45,7 +45,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from ..models.hub import CheckpointError, atomic_write, read_json
+from ..files import CheckpointError, atomic_write, read_json
 from . import adapters, lora, prefix
 from .checks import check_finite, check_header, read_header
 from .config import LoraConfig

@@ -39,7 +39,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from ..models.hub import CheckpointError, atomic_write, read_json
+from ..files import CheckpointError, atomic_write, read_json
 from ..modules.attention import MultiHeadAttention
 from ..modules.cache import KVCache
 from ..modules.layers import DecoderLayer, EncoderLayer

@@ -39,8 +39,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..files import atomic_write, read_json
 from ..models import CheckpointError
-from ..models.hub import atomic_write, read_json
 from .kinds import get_kind, model_classes
 
 __all__ = ["CHECKPOINT_DIR", "MODEL_CLASSES", "OLD_DIR", "TMP_DIR", "find_checkpoint", "load_run",

@@ -43,8 +43,8 @@ from typing import Any
 
 from torch import nn
 
+from ..files import QUANT_NAME, read_json
 from ..models import CheckpointError
-from ..models.hub import QUANT_NAME, read_json
 from .checkpoint import MODEL_CLASSES, find_checkpoint
 from .kinds import get_kind, kind_of_model, kind_of_model_type
 from .memory import check_adapter_fits

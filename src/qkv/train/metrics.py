@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..models.hub import atomic_write
+from ..files import atomic_write
 
 __all__ = ["METRICS", "NullLog", "last_evaluation", "metric_rows", "truncate_metrics"]
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..models.hub import CheckpointError, read_json
+from ..files import CheckpointError, read_json
 from .config import TrainConfig
 from .kinds import ModelKind
 

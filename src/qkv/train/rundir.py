@@ -33,7 +33,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from ..models.hub import CheckpointError
+from ..files import CheckpointError
 
 try:  # POSIX
     import fcntl
@@ -233,7 +233,7 @@ _MAY_DIFFER = ("steps", "data_fingerprint", "grad_accum", "activation_checkpoint
 def check_checkpoint_agrees(out: Path, ckpt: Path, config: Any) -> None:
     """Refuse a run.json that disagrees with the checkpoint's copy (an edited run.json would
     build the wrong model or loss) — before anything is written."""
-    from ..models.hub import read_json
+    from ..files import read_json
     from .config import TrainConfig
 
     path = ckpt / "run.json"

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..models.hub import CheckpointError, atomic_write, read_json
+from ..files import CheckpointError, atomic_write, read_json
 from .checkpoint import CHECKPOINT_DIR, OLD_DIR, TMP_DIR, find_checkpoint
 
 __all__ = ["SHARDED_DIR", "build_checkpoint_model", "export_sharded", "is_sharded_checkpoint",

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..models.hub import CheckpointError, atomic_write
+from ..files import CheckpointError, atomic_write
 from .checkpoint import load_run, load_trainer_state, save_checkpoint
 from .claim import RunDirClaim
 from .config import TrainConfig

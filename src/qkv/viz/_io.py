@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ..models.hub import atomic_write
+from ..files import atomic_write
 
 __all__ = ["write_output"]
 
