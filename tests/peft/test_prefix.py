@@ -245,10 +245,17 @@ def test_frozen_base_trains_prefix_only(gen):
     ({"num_tokens": 2.0}, "num_tokens"),
     ({"num_tokens": True}, "num_tokens"),
     ({"init_std": 0}, "init_std"),
+    ({"init_std": 1e300}, "init_std"),  # overflowed fp32: the prefix was all inf
+    ({"init_std": 10.5}, "init_std"),
+    ({"init_std": float("nan")}, "init_std"),
 ])
 def test_bad_configs(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PrefixConfig(**kwargs)
+
+
+def test_init_std_bound_is_inclusive():
+    assert PrefixConfig(init_std=10.0).init_std == 10.0
 
 
 def test_bad_calls(gen):

@@ -30,28 +30,27 @@ may live side by side; one is active (``AdaptedSublayer.set_active``).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from ..files import CheckpointError, atomic_write, read_json
 from ..modules.feedforward import ACTIVATIONS
 from ..modules.layers import DecoderLayer, EncoderLayer
-from .checks import check_finite, check_float_model, check_header, read_header
+from .checks import check_float_model
 from .config import MAX_SCALE
+from .kind_files import (
+    fit_or_roll_back,
+    read_kind_files,
+    write_kind_files,
+)
 from .saving import refresh_save_guard
 
 __all__ = ["AdaptedSublayer", "AdapterConfig", "Bottleneck", "add_adapters", "load_adapters",
            "planned_shapes", "remove_adapters", "save_adapters"]
 
 PLACEMENTS = ("houlsby", "pfeiffer", "parallel")
-CONFIG_NAME = "adapter_config.json"
-WEIGHTS_NAME = "adapter_model.safetensors"
 KIND = "bottleneck"
 
 
@@ -360,16 +359,8 @@ def save_adapters(model: nn.Module, path: str | Path, *, name: str | None = None
         raise ValueError(f"save_adapters: no bottleneck adapter named {name!r} "
                          f"(have {sorted(configs)})")
     state = {k: v.detach().contiguous().cpu() for k, v in _adapter_state(model, name).items()}
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    base_config = getattr(model, "config", None)
-    base = {"class": type(model).__name__,
-            "config": base_config.to_dict() if hasattr(base_config, "to_dict") else None}
-    meta = {"kind": KIND, "name": name, "config": configs[name].to_dict(), "base": base}
-    text = json.dumps(meta, indent=2, sort_keys=True, default=str)
-    atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"kind": KIND}))
-    atomic_write(path / CONFIG_NAME, lambda tmp: Path(tmp).write_text(text))
-    return path
+    return write_kind_files(model, path, kind=KIND, name=name, config=configs[name],
+                            state=state)
 
 
 def load_adapters(model: nn.Module, path: str | Path, *, name: str | None = None) -> str:
@@ -378,33 +369,10 @@ def load_adapters(model: nn.Module, path: str | Path, *, name: str | None = None
     frozen. A mismatch (another model class, other shapes or layers) raises one
     ``CheckpointError`` and leaves the model as it was. Returns the adapter's name.
     """
-    path = Path(path)
-    meta = read_json(path / CONFIG_NAME)
-    if meta.get("kind") != KIND or not isinstance(meta.get("config"), dict):
-        raise CheckpointError(f"{path / CONFIG_NAME}: not a qkv bottleneck adapter "
-                              f"(kind {meta.get('kind')!r})")
-    made_for = (meta.get("base") or {}).get("class")
-    if made_for not in (None, type(model).__name__):
-        raise CheckpointError(f"{path}: the adapter was made for a {made_for}, this model is "
-                              f"a {type(model).__name__}")
-    try:
-        config = AdapterConfig(**meta["config"])
-    except (TypeError, ValueError) as err:
-        raise CheckpointError(f"{path / CONFIG_NAME}: cannot read the adapter: {err}") from err
-    name = meta.get("name", "default") if name is None else name
-    try:  # the file's shapes against the config's, before anything is allocated
-        want = planned_shapes(model, config, name=name)
-    except ValueError as err:
-        raise CheckpointError(f"{path}: {err}") from err
-    weights = path / WEIGHTS_NAME
-    check_header(weights, read_header(weights), want, model=model,
-                 fields=f"reduction_factor={config.reduction_factor!r}, "
-                        f"placement={config.placement!r}")
-    try:
-        state = load_file(str(weights))
-    except (OSError, SafetensorError) as err:
-        raise CheckpointError(f"{weights}: cannot read the adapter: {err}") from err
-    check_finite(weights, state)
+    config, name, state = read_kind_files(
+        model, path, kind=KIND, label="bottleneck adapter", what="adapter",
+        config_class=AdapterConfig, plan=planned_shapes, name=name,
+        fields=lambda c: f"reduction_factor={c.reduction_factor!r}, placement={c.placement!r}")
     grads = {id(p): p.requires_grad for p in model.parameters()}
     actives = {m: m.active for m in model.modules() if isinstance(m, AdaptedSublayer)}
     add_adapters(model, config, name=name)
@@ -418,26 +386,3 @@ def load_adapters(model: nn.Module, path: str | Path, *, name: str | None = None
             params[k.replace(".adapters.*.", f".adapters.{name}.")].copy_(state[k])
     return name
 
-
-def fit_or_roll_back(want: dict[str, Tensor], state: dict[str, Tensor], *, path: Any,
-                     what: str, remove: Any, actives: dict, grads: dict[int, bool],
-                     model: nn.Module) -> None:
-    """Check that the file's tensors ``state`` are exactly the ones the model now expects
-    (``want``: same keys, same shapes); otherwise undo the add (``remove()``, the earlier
-    active flags and ``requires_grad``) and raise ``CheckpointError`` naming what differs —
-    so a load that does not fit leaves the model as it was."""
-    missing = sorted(set(want) - set(state))
-    unknown = sorted(set(state) - set(want))
-    shapes = [f"{k}: file {tuple(state[k].shape)}, model {tuple(want[k].shape)}"
-              for k in sorted(set(want) & set(state)) if state[k].shape != want[k].shape]
-    if not (missing or unknown or shapes):
-        return
-    remove()
-    for m, a in actives.items():
-        m.set_active(a)
-    for p in model.parameters():
-        p.requires_grad_(grads.get(id(p), p.requires_grad))
-    parts = [f"missing {missing[:5]}" if missing else "",
-             f"unknown {unknown[:5]}" if unknown else "", "; ".join(shapes[:5])]
-    raise CheckpointError(f"{path}: the {what} does not fit this model: "
-                          + "; ".join(p for p in parts if p))

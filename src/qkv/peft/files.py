@@ -49,13 +49,12 @@ from ..files import CheckpointError, atomic_write, read_json
 from . import adapters, lora, prefix
 from .checks import check_finite, check_header, read_header
 from .config import LoraConfig
+from .kind_files import CONFIG_NAME, WEIGHTS_NAME
 from .lora import _sites, _states, attach, plain_path, plan_updates
 
 __all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "adapter_file_kind", "adapter_shapes", "load_adapter",
            "save_adapter"]
 
-CONFIG_NAME = "adapter_config.json"
-WEIGHTS_NAME = "adapter_model.safetensors"
 KIND = "lora"
 
 _GPT2_KEY = re.compile(r"(?:transformer\.)?h\.(\d+)\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|"

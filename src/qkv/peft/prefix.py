@@ -30,34 +30,30 @@ sliding-window attention, a cache not made by the prefixed model's ``new_cache``
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from ..files import CheckpointError, atomic_write, read_json
+from ..files import CheckpointError
 from ..modules.attention import MultiHeadAttention
 from ..modules.cache import KVCache
 from ..modules.layers import DecoderLayer, EncoderLayer
 from ..ops.masks import And, Causal, DenseMask, Mask, Padding, as_mask
-from .adapters import (
-    CONFIG_NAME,
-    WEIGHTS_NAME,
-    AdaptedSublayer,
-    fit_or_roll_back,
-    train_only,
-)
-from .checks import check_finite, check_float_model, check_header, read_header
+from .adapters import AdaptedSublayer, train_only
+from .checks import check_float_model
+from .kind_files import fit_or_roll_back, read_kind_files, write_kind_files
 from .saving import refresh_save_guard
 
-__all__ = ["PrefixAttention", "PrefixConfig", "PrefixKVCache", "add_prefix", "load_prefix",
-           "planned_shapes", "prefix_mask", "prefix_names", "remove_prefix", "save_prefix"]
+__all__ = ["MAX_INIT_STD", "PrefixAttention", "PrefixConfig", "PrefixKVCache", "add_prefix",
+           "load_prefix", "planned_shapes", "prefix_mask", "prefix_names", "remove_prefix",
+           "save_prefix"]
 
 KIND = "prefix"
+#: the largest accepted ``PrefixConfig.init_std``: prefix keys are dotted with queries of
+#: unit scale, so a std of 10 already saturates the softmax; 1e300 overflowed fp32 to inf
+MAX_INIT_STD = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +62,7 @@ class PrefixConfig:
 
     Args:
         num_tokens: P >= 1, prefix positions per self-attention layer.
-        init_std: the prefix keys/values start at N(0, init_std²); > 0.
+        init_std: the prefix keys/values start at N(0, init_std²); in (0, ``MAX_INIT_STD``].
     """
 
     num_tokens: int = 16
@@ -77,9 +73,10 @@ class PrefixConfig:
         if not isinstance(p, int) or isinstance(p, bool) or p < 1:
             raise ValueError(f"PrefixConfig: num_tokens must be a positive int, got {p!r}")
         s = self.init_std
-        if not isinstance(s, (int, float)) or isinstance(s, bool) or not 0 < s < float("inf"):
-            raise ValueError(f"PrefixConfig: init_std must be a positive finite number, "
-                             f"got {s!r}")
+        if (not isinstance(s, (int, float)) or isinstance(s, bool)
+                or not 0 < s <= MAX_INIT_STD):
+            raise ValueError(f"PrefixConfig: init_std must be a number in (0, "
+                             f"{MAX_INIT_STD:g}], got {s!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""
@@ -476,16 +473,8 @@ def save_prefix(model: nn.Module, path: str | Path, *, name: str | None = None) 
     if name not in configs:
         raise ValueError(f"save_prefix: no prefix named {name!r} (have {sorted(configs)})")
     state = {k: v.detach().contiguous().cpu() for k, v in _prefix_state(model, name).items()}
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    base_config = getattr(model, "config", None)
-    base = {"class": type(model).__name__,
-            "config": base_config.to_dict() if hasattr(base_config, "to_dict") else None}
-    meta = {"kind": KIND, "name": name, "config": configs[name].to_dict(), "base": base}
-    text = json.dumps(meta, indent=2, sort_keys=True, default=str)
-    atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"kind": KIND}))
-    atomic_write(path / CONFIG_NAME, lambda tmp: Path(tmp).write_text(text))
-    return path
+    return write_kind_files(model, path, kind=KIND, name=name, config=configs[name],
+                            state=state)
 
 
 def load_prefix(model: nn.Module, path: str | Path, *, name: str | None = None) -> str:
@@ -493,32 +482,9 @@ def load_prefix(model: nn.Module, path: str | Path, *, name: str | None = None) 
     ``name`` (default: its saved name) and make it active; everything else is frozen. A
     mismatch (another model class, other shapes or layers) raises one ``CheckpointError``
     and leaves the model as it was. Returns the prefix's name."""
-    path = Path(path)
-    meta = read_json(path / CONFIG_NAME)
-    if meta.get("kind") != KIND or not isinstance(meta.get("config"), dict):
-        raise CheckpointError(f"{path / CONFIG_NAME}: not a qkv prefix (kind "
-                              f"{meta.get('kind')!r})")
-    made_for = (meta.get("base") or {}).get("class")
-    if made_for not in (None, type(model).__name__):
-        raise CheckpointError(f"{path}: the prefix was made for a {made_for}, this model is "
-                              f"a {type(model).__name__}")
-    try:
-        config = PrefixConfig(**meta["config"])
-    except (TypeError, ValueError) as err:
-        raise CheckpointError(f"{path / CONFIG_NAME}: cannot read the prefix: {err}") from err
-    name = meta.get("name", "default") if name is None else name
-    try:  # the file's shapes against the config's, before anything is allocated
-        want = planned_shapes(model, config, name=name)
-    except ValueError as err:
-        raise CheckpointError(f"{path}: {err}") from err
-    weights = path / WEIGHTS_NAME
-    check_header(weights, read_header(weights), want, model=model,
-                 fields=f"num_tokens={config.num_tokens!r}")
-    try:
-        state = load_file(str(weights))
-    except (OSError, SafetensorError) as err:
-        raise CheckpointError(f"{weights}: cannot read the prefix: {err}") from err
-    check_finite(weights, state)
+    config, name, state = read_kind_files(
+        model, path, kind=KIND, label="prefix", what="prefix", config_class=PrefixConfig,
+        plan=planned_shapes, name=name, fields=lambda c: f"num_tokens={c.num_tokens!r}")
     grads = {id(p): p.requires_grad for p in model.parameters()}
     actives = {m: m.active for m in model.modules() if isinstance(m, PrefixAttention)}
     try:
