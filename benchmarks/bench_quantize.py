@@ -204,7 +204,7 @@ def dates_agreement(args) -> None:
 def perplexity(args) -> None:
     from qkv.data import get_task
     from qkv.train import TrainConfig, Trainer
-    from qkv.train.data import make_batch
+    from qkv.train.kinds import get_kind
 
     over = dict(dim=128, num_layers=4, num_heads=4, max_len=64)
     steps = args.gpt_steps
@@ -223,7 +223,7 @@ def perplexity(args) -> None:
         total, count = 0.0, 0
         with torch.no_grad():
             for i in range(0, len(test), 100):
-                batch = make_batch("gpt", test[i:i + 100], tok)
+                batch = get_kind("gpt").make_batch(test[i:i + 100], tok)
                 logits = m(batch["ids"])  # (B, N, V)
                 t = batch["targets"]
                 nll = torch.nn.functional.cross_entropy(

@@ -31,15 +31,16 @@ import qkv
 # ------------------------------------------------------------------------- tolerances
 
 #: (atol, rtol) of a tensor computed in ``dtype`` against an fp64 oracle.
-#: fp32: PyTorch's own OpInfo bar for SDPA (DESIGN.md, CHECKLIST 1).
+#: fp32: PyTorch's own OpInfo bar for SDPA (docs/ARCHITECTURE.md: Tolerances).
 #: fp64: two fp64 implementations of the same math (summation order differs only).
 TOL: dict[torch.dtype, tuple[float, float]] = {
     torch.float64: (1e-12, 1e-10),
     torch.float32: (5e-5, 5e-6),
 }
 
-#: Half precision is judged relative to a naive same-dtype implementation (CHECKLIST 2):
-#: our error <= HALF_FACTOR_OUT x naive's (outputs) and HALF_FACTOR_GRAD x (gradients).
+#: Half precision is judged relative to a naive same-dtype implementation
+#: (docs/ARCHITECTURE.md: Tolerances): our error <= HALF_FACTOR_OUT x naive's (outputs)
+#: and HALF_FACTOR_GRAD x (gradients).
 HALF_FACTOR_OUT = 2.0
 HALF_FACTOR_GRAD = 3.0
 

@@ -13,8 +13,7 @@ from .generation.quantize import quantize
 from .modules import KVCache, MultiHeadAttention
 from .ops import BACKENDS, BiasProducer, NoBackendError, attention, explain
 from .ops.linear import FavorFeatures, LinearState, linear_attention, linear_attention_step
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["BACKENDS", "BiasProducer", "FavorFeatures", "KVCache", "LinearState",
            "MultiHeadAttention", "NoBackendError", "__version__", "attention", "data", "explain",

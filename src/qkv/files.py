@@ -13,9 +13,9 @@ import stat
 import tempfile
 from pathlib import Path
 
-__all__ = ["ADAPTER_MARK", "CONFIG_NAME", "FSDP_MARK", "INDEX_NAME", "PICKLE_NAME",
-           "QUANT_NAME", "WEIGHTS_NAME", "CheckpointError", "atomic_write", "is_regular_file",
-           "read_json", "refuse_adapter_directory"]
+__all__ = ["ADAPTER_MARK", "CHECKPOINT_DIR", "CONFIG_NAME", "FSDP_MARK", "INDEX_NAME",
+           "PICKLE_NAME", "QUANT_NAME", "WEIGHTS_NAME", "CheckpointError", "atomic_write",
+           "is_regular_file", "read_json", "refuse_adapter_directory"]
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -24,6 +24,7 @@ QUANT_NAME = "quantization.json"  # beside config.json for a model quantized wit
 INDEX_NAME = "model.safetensors.index.json"  # a sharded HF checkpoint: tensor -> shard file
 FSDP_MARK = "sharded.json"  # a `qkv train --fsdp` checkpoint (DCP shards, not a model file)
 ADAPTER_MARK = "adapter_config.json"  # an adapter run's checkpoint (no whole model)
+CHECKPOINT_DIR = "checkpoint"  # the latest checkpoint of a `qkv train` run: RUN/checkpoint/
 
 
 class CheckpointError(ValueError):

@@ -137,7 +137,7 @@ def test_padded_row_equals_row_alone_with_other_image_counts():
     alone0 = model(ids[:1], images[:1])
     torch.testing.assert_close(both[:1], alone0, atol=1e-5, rtol=0)
     junk = images.clone()
-    junk[1, 1] = float("nan")  # the padded slot is never encoded nor attended (CHECKLIST 9)
+    junk[1, 1] = float("nan")  # the padded slot is never encoded nor attended (Checklist 9)
     assert torch.equal(model(ids, junk), both)
     # left padding: a shorter row padded on the left == the row alone
     short = ids_with_images(1, 7, [[1]])
@@ -333,7 +333,7 @@ def test_generated_image_token_past_the_bound_images_reads_nothing():
 
 
 def test_new_parts_fit_a_tiny_qa_batch():
-    """CHECKLIST 22: only the resampler and gated blocks train, on answer tokens of 4 shapes
+    """Checklist 22: only the resampler and gated blocks train, on answer tokens of 4 shapes
     QA rows; the loss falls below a quarter of its start in 40 steps. (The LM's embeddings
     are scaled to N(0, 1): GPT-2's N(0, 0.02) init bounds a random LM's logits to about
     ±0.6, which no conditioning can make confident.)"""

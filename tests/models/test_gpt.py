@@ -407,8 +407,8 @@ def test_lm_head_and_loss_on_the_onednn_path_against_fp64(monkeypatch, tie):
     qkv.ops.fast_linear with oneDNN forced on these small shapes: logits, loss and every
     parameter's gradient (full fine-tuning: the head's weight gradient too) against an fp64
     copy of the model with the full logits and F.cross_entropy.
-    Tolerances: logits and loss atol 5e-5 rtol 5e-6 (DESIGN.md); gradients atol 1e-6
-    rtol 1e-4 (fp32 sums over B·N rows)."""
+    Tolerances: logits and loss atol 5e-5 rtol 5e-6 (docs/ARCHITECTURE.md: Tolerances);
+    gradients atol 1e-6 rtol 1e-4 (fp32 sums over B·N rows)."""
     import qkv.ops.fast_linear as fl
 
     if not fl.onednn_linear_active():

@@ -339,7 +339,7 @@ def test_save_load_round_trip(tmp_path, shared):
 
 def test_load_refuses_mismatched_checkpoint(tmp_path):
     """A checkpoint whose tensors do not fit the config gives a clean CheckpointError
-    naming the keys (CHECKLIST 28); nothing is loaded."""
+    naming the keys (Checklist 28); nothing is loaded."""
     from qkv.models.hub import CheckpointError
 
     tiny(positions="t5").save_pretrained(tmp_path)

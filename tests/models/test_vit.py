@@ -3,7 +3,8 @@
 interpolation against ``F.interpolate`` on the grid; save/load; clear errors for bad images.
 
 Shapes: B batch, Cin channels, Hi/Wi pixels, P patch, T tokens, C width, K classes.
-Tolerances: fp64 paths atol 1e-10; fp32 vs fp64 reference atol 5e-5, rtol 5e-6 (DESIGN).
+Tolerances: fp64 paths atol 1e-10; fp32 vs fp64 reference atol 5e-5, rtol 5e-6
+(docs/ARCHITECTURE.md: Tolerances).
 """
 
 from __future__ import annotations

@@ -208,7 +208,7 @@ def test_rmsnorm_swiglu_variants_run_finite(norm_first):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_layernorm_constant_half_input_is_finite(dtype):
-    """CHECKLIST 13: a constant row has zero variance; eps >= 1e-5 and fp32 stats keep it
+    """Checklist 13: a constant row has zero variance; eps >= 1e-5 and fp32 stats keep it
     finite (the output is the bias)."""
     norm = LayerNorm(C).to(dtype)
     with torch.no_grad():

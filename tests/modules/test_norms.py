@@ -6,7 +6,7 @@ Shapes: B batch, N length, C model width; every norm maps (..., C) -> (..., C).
   ``torch.nn.RMSNorm`` with the same eps and copied weights: fp64 at atol 1e-12, rtol 1e-10;
   fp32 at atol 1e-6, rtol 1e-6 (one fp32 reduction over C = 48).
 - LayerNorm: ``torch.nn.LayerNorm`` / ``F.layer_norm`` with copied weight and bias, same tolerances.
-- Half precision (CHECKLIST 13): statistics in fp32, so fp16/bf16 output == the fp32 norm of
+- Half precision (Checklist 13): statistics in fp32, so fp16/bf16 output == the fp32 norm of
   the same input rounded once to the half dtype (atol 0: one rounding); inputs whose squares
   overflow fp16 (|x| ~ 300..1000) and constant fp16 inputs stay finite; LayerNorm's default
   eps >= 1e-5.
@@ -122,7 +122,7 @@ def test_layernorm_matches_torch(dtype, eps, bias):
 
 
 def test_layernorm_default_eps_and_make_norm():
-    """eps >= 1e-5 by default (CHECKLIST 13); make_norm builds the named norm with its eps."""
+    """eps >= 1e-5 by default (Checklist 13); make_norm builds the named norm with its eps."""
     assert LayerNorm(C).eps == 1e-5
     assert make_norm("layernorm", C).eps >= 1e-5
     ln = make_norm("layernorm", C, eps=1e-12, bias=False)
@@ -133,7 +133,7 @@ def test_layernorm_default_eps_and_make_norm():
         make_norm("batchnorm", C)
 
 
-# -------------------------------------------------------------- half precision (CHECKLIST 13)
+# -------------------------------------------------------------- half precision (Checklist 13)
 
 
 def _pair(kind: str):

@@ -1,4 +1,4 @@
-"""Every backend of ``qkv.attention`` against fp64 oracles (CHECKLIST 1, 7, 12, 18).
+"""Every backend of ``qkv.attention`` against fp64 oracles (Checklist 1, 7, 12, 18).
 
 Shapes: B batch, H query heads, Hkv key/value heads, N query length, S key length,
 D head dim, Dv value dim.
@@ -256,7 +256,7 @@ def _shape_params():
 @pytest.mark.parametrize(("shape", "mask_id"), list(_shape_params()))
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_shapes_match_fp64_oracle(backend, shape, mask_id, gen):
-    """Awkward shapes (CHECKLIST 7), outputs and grads vs the fp64 oracle."""
+    """Awkward shapes (Checklist 7), outputs and grads vs the fp64 oracle."""
     _check_against_oracle64(backend, shape, MASK_CASES[mask_id](shape), gen)
 
 
@@ -304,7 +304,7 @@ def test_auto_backend_serves_and_matches_oracle(gen):
     assert_close_to(out, ref, atol=ATOL, rtol=RTOL, what="auto")  # 5e-5 / 5e-6
 
 
-# ------------------------------------------------------------- determinism (CHECKLIST 12)
+# ------------------------------------------------------------- determinism (Checklist 12)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -337,7 +337,7 @@ def test_repeated_backward_is_bit_equal(backend, gen):
         assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(c, d)
 
 
-# ------------------------------------------------------------------- dropout (CHECKLIST 12)
+# ------------------------------------------------------------------- dropout (Checklist 12)
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
@@ -382,7 +382,7 @@ def test_dropout_backward_matches_finite_differences(backend):
         assert torch.autograd.gradcheck(fn, (q, k, v, bias), eps=1e-6, atol=1e-7)
 
 
-# ------------------------------------------------------ return_weights (CHECKLIST 18)
+# ------------------------------------------------------ return_weights (Checklist 18)
 
 
 @pytest.mark.parametrize("mask_id", ["none", "causal&padding", "bias+bool", "bool(1,H,N,1)"])

@@ -4,13 +4,13 @@ Shapes: B batch, H query heads, Hkv key/value heads, N query length, S key lengt
 D head dim, Dv value dim.
 
 - gradcheck in fp64, contiguous and strided inputs, dense bias (its gradient too), masks
-  (CHECKLIST 3);
+  (Checklist 3);
 - chunked == full for every block size, including 1 and non-divisors: outputs, gradients
-  and the returned LSE (CHECKLIST 8), "full" being ``oracle_attention`` (conftest, plain
+  and the returned LSE (Checklist 8), "full" being ``oracle_attention`` (conftest, plain
   fp64 math) over a keep matrix built here without qkv.masks. Run in fp64, where merging
   partial results through the LSE must be exact up to summation order: atol 1e-12,
   rtol 1e-10 (``TOL[float64]``); and in fp32 against that fp64 oracle at atol 5e-5,
-  rtol 5e-6 (CHECKLIST 1);
+  rtol 5e-6 (Checklist 1);
 - dropout: reproducible under a fixed seed, fresh otherwise, backward consistent with
   forward (gradcheck of a function that reseeds before each call);
 - a long causal sequence with a T5 bias producer (slow).
@@ -100,7 +100,7 @@ def test_gradcheck_default_blocks_and_non_divisor_blocks():
             (q, k, v, bias), eps=1e-6, atol=1e-7)
 
 
-# --------------------------------------------------- chunked == full (CHECKLIST 8)
+# --------------------------------------------------- chunked == full (Checklist 8)
 
 BLOCKS = [1, 3, 7, 16, 64, 100]  # 1, non-divisors of N=23/S=37, and larger than N and S
 

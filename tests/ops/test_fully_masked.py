@@ -1,11 +1,11 @@
-"""Query rows with nothing to attend to (CHECKLIST 4): output exactly 0, dQ exactly 0,
+"""Query rows with nothing to attend to (Checklist 4): output exactly 0, dQ exactly 0,
 dK/dV (and d bias) finite, on every backend, in fp32/fp16/bf16.
 
 Shapes: B batch, H query heads, N query length, S key length, D head dim.
 
 The other (live) rows must still be right: in fp32 every row, output and gradients, is
 compared with the fp64 ``oracle_attention`` (conftest) over a keep matrix built here from
-the masks' documented meaning, not from qkv.masks, at atol 5e-5, rtol 5e-6 (CHECKLIST 1);
+the masks' documented meaning, not from qkv.masks, at atol 5e-5, rtol 5e-6 (Checklist 1);
 half precision accuracy is tested in test_half_precision.py.
 """
 

@@ -1,4 +1,4 @@
-"""fp16 / bf16 accuracy (CHECKLIST 2, FlashAttention's bar).
+"""fp16 / bf16 accuracy (Checklist 2, FlashAttention's bar).
 
 Shapes: B batch, H query heads, Hkv key/value heads, N query length, S key length,
 D head dim, Dv value dim.

@@ -1,4 +1,4 @@
-"""Kernelised linear attention (qkv.ops.linear), CHECKLIST 11.
+"""Kernelised linear attention (qkv.ops.linear), Checklist 11.
 
 Shapes: B batch, H query heads, Hkv key/value heads, N query length, S key length,
 D head dim, Dv value dim, D' feature dim, C chunk length.

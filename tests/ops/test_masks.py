@@ -1,5 +1,5 @@
 """Typed masks (True = may attend): documented matrices, block/key-range consistency, and
-the mask/bias equivalences every backend must honour (CHECKLIST 5, 6).
+the mask/bias equivalences every backend must honour (Checklist 5, 6).
 
 Shapes: B batch, H query heads, N query length, S key length, D head dim.
 """
@@ -16,7 +16,7 @@ from qkv.masks import And, Causal, DenseMask, Padding, as_mask
 
 BACKENDS = ("sdpa", "chunked", "reference")
 
-# ------------------------------------------------- documented causal matrices (CHECKLIST 6)
+# ------------------------------------------------- documented causal matrices (Checklist 6)
 # Written literally (FlashAttention README convention): bottom-right puts the N queries at
 # the end of the S keys; top-left is torch's is_causal for N != S.
 
@@ -216,7 +216,7 @@ def test_block_and_key_range_agree_with_dense(mask, n, s, block):
                 assert torch.equal(torch.broadcast_to(got, want.shape), want), (i0, j0)
 
 
-# ------------------------------------- bool ≡ -inf bias ≡ finfo.min bias (CHECKLIST 5)
+# ------------------------------------- bool ≡ -inf bias ≡ finfo.min bias (Checklist 5)
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=dtype_id)
@@ -278,7 +278,7 @@ def test_composed_masks_stay_finite_in_half(backend, dtype, gen):
         q.grad = k.grad = v.grad = None
 
 
-# -------------------------------- memory past a sequence's end is ignored (CHECKLIST 9)
+# -------------------------------- memory past a sequence's end is ignored (Checklist 9)
 # xFormers' nanify_oob_seqlen: keys/values past each row's length (Padding) are filled
 # with NaN; valid outputs and gradients must not change (qkv.attention zeroes that memory:
 # otherwise 0 * NaN = NaN in weights @ V, and SDPA keeps a NaN logit under its -inf mask).

@@ -1,6 +1,6 @@
 """The ``Padding`` guard of ``qkv.attention``: memory past a sequence's end that holds NaN or
-±inf changes nothing (CHECKLIST 9), a fully masked row returns zeros with finite gradients
-(CHECKLIST 4), on every backend — and finite padded memory is not copied.
+±inf changes nothing (Checklist 9), a fully masked row returns zeros with finite gradients
+(Checklist 4), on every backend — and finite padded memory is not copied.
 
 Shapes: B batch, H heads, N query length, S key length, D head dim.
 """

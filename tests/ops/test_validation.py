@@ -1,5 +1,5 @@
 """``qkv.attention`` refuses bad requests with errors that name the offending argument, and
-explains per backend why it cannot serve (DESIGN.md: Errors; Backends).
+explains per backend why it cannot serve (docs/ARCHITECTURE.md: Errors; Backends (attention)).
 
 Shapes: B batch, H query heads, Hkv key/value heads, N query length, S key length,
 D head dim, Dv value dim.

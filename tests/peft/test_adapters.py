@@ -2,8 +2,8 @@
 frozen base, save/load round trip, named adapters, clear errors.
 
 Shapes: B batch, N length, C width, M bottleneck width, V vocab.
-Tolerances: fp32 layer vs the fp64 oracle written here: atol 5e-5, rtol 5e-6 (DESIGN.md);
-"bit-identical" is torch.equal.
+Tolerances: fp32 layer vs the fp64 oracle written here: atol 5e-5, rtol 5e-6
+(docs/ARCHITECTURE.md: Tolerances); "bit-identical" is torch.equal.
 """
 
 from __future__ import annotations

@@ -300,9 +300,9 @@ def test_mixed_adapter_batch_equals_rows_alone_gpt():
 
 
 def test_mixed_adapter_batch_encoder_decoder_cross_attention():
-    """Tolerance atol 5e-5, rtol 5e-6 (DESIGN.md's fp32 bar): a batch of 3 and a row alone
-    run GEMMs of other row counts, which with 2 threads round differently (seen: 1.5e-5 on
-    logits ~0.4 at OMP_NUM_THREADS=2; 0 at 1 thread)."""
+    """Tolerance atol 5e-5, rtol 5e-6 (the fp32 bar, docs/ARCHITECTURE.md: Tolerances): a
+    batch of 3 and a row alone run GEMMs of other row counts, which with 2 threads round
+    differently (seen: 1.5e-5 on logits ~0.4 at OMP_NUM_THREADS=2; 0 at 1 thread)."""
     tr = tiny_transformer()
     add_lora(tr, LoraConfig(r=2, targets=("q", "k", "v")), name="x")
     add_lora(tr, LoraConfig(r=2, targets=("qkv",)), name="y")

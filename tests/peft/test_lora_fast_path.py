@@ -15,9 +15,10 @@ Plus gradcheck (fp64) of ``LoraLinearFunction`` itself with every input differen
 separate dropout input, a trainable base weight and bias, partial row spans).
 
 Shapes: B batch, N length, V vocab, C width, M rows, In / Out features, r rank.
-Tolerances: fp32 vs the fp64 oracle: loss atol 5e-5 rtol 5e-6 (DESIGN.md); gradients
-atol 5e-7 rtol 1e-5 (entries ~1e-3..0.3, errors seen <= 2e-7). fp32 vs fp32 (oneDNN vs
-MKL, qkv vs PEFT): loss 1e-5, gradients as against the oracle.
+Tolerances: fp32 vs the fp64 oracle: loss atol 5e-5 rtol 5e-6
+(docs/ARCHITECTURE.md: Tolerances); gradients atol 5e-7 rtol 1e-5 (entries ~1e-3..0.3,
+errors seen <= 2e-7). fp32 vs fp32 (oneDNN vs MKL, qkv vs PEFT): loss 1e-5, gradients as
+against the oracle.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@ cache, padded row == row alone, counts (also against HF PEFT's), frozen base, cl
 
 Shapes: B batch, N length, S key length, P prefix length, C width, H heads, Hkv kv heads,
 D head dim, V vocab.
-Tolerances: fp32 vs the fp64 oracle: atol 5e-5, rtol 5e-6 (DESIGN.md); cached vs uncached
-and padded vs alone logits: atol 1e-5 (fp32, the brief's bar), greedy tokens exact.
+Tolerances: fp32 vs the fp64 oracle: atol 5e-5, rtol 5e-6 (docs/ARCHITECTURE.md: Tolerances);
+cached vs uncached and padded vs alone logits: atol 1e-5 (fp32, the brief's bar), greedy
+tokens exact.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@ checkpoints, the NaN stop, the three model kinds on tasks and files."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import random
@@ -15,6 +14,7 @@ import torch
 from qkv.models import CheckpointError
 from qkv.train import TrainConfig, Trainer, TrainingError, find_checkpoint, load_run
 from qkv.train import checkpoint as ckpt_module
+from qkv.train.kinds import get_kind
 
 TINY = dict(dim=32, num_heads=2, ffn_hidden=64, dropout=0.1)
 
@@ -232,15 +232,17 @@ def test_bert_mlm_on_a_text_file(tmp_path, monkeypatch):
     rng = random.Random(0)  # random letters: a window of 16 occurs once in the whole text
     text = "".join(rng.choice("abcdefghij ") for _ in range(3000))
     (tmp_path / "corpus.txt").write_text(text)
-    evaluation = importlib.import_module("qkv.train.evaluate")
+    kind = get_kind("bert-mlm")  # evaluation builds its batches with the kind's make_batch
     built: list[dict[str, torch.Tensor]] = []
-    real_make_batch = evaluation.make_batch
+    real_make_batch = kind.make_batch
 
     def spy(*args, **kwargs):
-        built.append(real_make_batch(*args, **kwargs))
-        return built[-1]
+        batch = real_make_batch(*args, **kwargs)
+        if not torch.is_grad_enabled():  # evaluation's (under no_grad), not a step's
+            built.append(batch)
+        return batch
 
-    monkeypatch.setattr(evaluation, "make_batch", spy)
+    monkeypatch.setattr(kind, "make_batch", spy)
     cfg = config(model="bert-mlm", preset="bert-tiny", task=None,
                  data=str(tmp_path / "corpus.txt"), max_len=16,
                  overrides=dict(dim=32, num_heads=2), steps=2, eval_every=2, batch_size=4,

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from qkv.train import TrainConfig, Trainer
+from qkv.train.kinds import get_kind
 from qkv.train.loss import token_loss
 
 KINDS = {
@@ -94,7 +95,8 @@ def test_token_loss_equals_cross_entropy_with_label_smoothing(tmp_path, kind, ep
         model = _spread(trainer.model).eval()
         batch = trainer._batch(0)
         with torch.no_grad():
-            loss_sum, count, _, target = token_loss(kind, model, batch, label_smoothing=eps)
+            loss_sum, count, _, target = token_loss(get_kind(kind), model, batch,
+                                                    label_smoothing=eps)
             want = _oracle_loss(kind, copy.deepcopy(model).double(), batch, eps)
             plain = _oracle_loss(kind, copy.deepcopy(model).double(), batch, 0.0)
         assert int(count) == int((target != -100).sum()) > 0

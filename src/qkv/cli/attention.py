@@ -264,7 +264,7 @@ def _clip_image(args: argparse.Namespace, run: Path, model: nn.Module) -> tuple[
         if args.index is not None:
             raise UserError(f"--image {args.image} and --index {args.index}: give one of them")
         from ..data.files import DataError
-        from ..train.kinds.clip import FolderPairs
+        from ..data.folder_pairs import FolderPairs
 
         try:  # training's loader: the same checks, modes and alpha compositing
             pixels = load_image(args.image)  # (3, H, W) uint8
@@ -303,9 +303,10 @@ def _run_clip(args: argparse.Namespace, run: Path, model: nn.Module, tok: Any) -
     """``qkv attention`` on a CLIP run (see the module docstring)."""
     import torch
 
+    from ..data.clip_text import encode_texts
+    from ..data.image_preprocess import to_pixel_values
     from ..outputs import new_output_dir
     from ..train.checkpoint import read_run_info
-    from ..train.kinds.clip import encode_texts, to_pixel_values
     from ..viz import attention_html, plot_attention_grid
     from ..viz.patches import attention_rollout, draw_image_grid, draw_patch_attention
     from . import UserError

@@ -10,7 +10,8 @@ Shapes: B batch, N padded sequence length.
   ``date_long_examples`` (English long dates, the ``dates-long`` task ``DatesLongTask`` of
   ``qkv demo lora``).
 - Tokenizers (``qkv.data.tokenizer``): ``CharTokenizer``, ``BPETokenizer``,
-  ``read_tokenizer``, ``SPECIALS`` (``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3).
+  ``read_tokenizer``; their shared base (``qkv.data.tokenizer_base``) ``TokenizerBase``,
+  ``SPECIALS`` (``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3).
 - Files (``qkv.data.files``): ``read_pairs`` (TSV source<TAB>target), ``read_text``,
   ``DataError`` (a ValueError).
 - Images (``qkv.data.shapes``): ``ShapesDataset`` (synthetic coloured shapes, captions in
@@ -18,6 +19,12 @@ Shapes: B batch, N padded sequence length.
   ``COLOURS``, ``COMBINATIONS``, ``heldout_combinations``, ``class_prompts``;
   (``qkv.data.images_folder``) ``ImageFolderDataset`` (a folder of images + a captions TSV),
   ``load_image``.
+- Image-caption pairs for CLIP training: ``ShapesPairs`` (``qkv.data.shapes_pairs``: the
+  shapes task, a quarter of its captions zero-shot prompts), ``FolderPairs``
+  (``qkv.data.folder_pairs``: a folder, whole images held out); ``encode_texts``
+  (``qkv.data.clip_text``: texts as the CLIP text tower reads them, (B, N) ids and mask).
+- Reading order (``qkv.data.order``): ``epoch_indices``, ``derived_seed`` (seeded per-epoch
+  permutations: a step's items are a pure function of (seed, position)).
 - Interleaved image QA (``qkv.data.shapes_qa``): ``ShapesQADataset`` (rows like "<image> Q:
   what colour is the circle? A: red."), ``QARow``, ``QAPair``, ``QABatch``, ``IMAGE_CHAR`` (the
   ``<image>`` character, U+FFFC), ``qa_alphabet``, ``image_token_id``.
@@ -26,6 +33,7 @@ Shapes: B batch, N padded sequence length.
   (``qkv.data.words``, one id per word).
 """
 
+from .clip_text import encode_texts
 from .coref import (
     COREF_KINDS,
     COREF_LANGS,
@@ -49,6 +57,7 @@ from .dates import (
     render_date,
 )
 from .files import DataError, read_pairs, read_text
+from .folder_pairs import FolderPairs
 from .images_folder import ImageFolderDataset, load_image
 from .shapes import (
     COLOURS,
@@ -59,6 +68,7 @@ from .shapes import (
     class_prompts,
     heldout_combinations,
 )
+from .shapes_pairs import ShapesPairs
 from .shapes_qa import (
     IMAGE_CHAR,
     QABatch,
@@ -70,6 +80,7 @@ from .shapes_qa import (
 )
 from .tasks import TASKS, AdditionTask, DatesLongTask, DatesTask, StringTask, Task, get_task
 from .tokenizer import SPECIALS, BPETokenizer, CharTokenizer, read_tokenizer
+from .tokenizer_base import TokenizerBase
 from .words import WordTokenizer
 
 __all__ = ["COREF_KINDS", "COREF_LANGS", "DATE_FORMATS", "SPECIALS", "TASKS", "AdditionTask",
@@ -83,3 +94,4 @@ __all__ += ["COLOURS", "COMBINATIONS", "SHAPES", "ImageFolderDataset", "ShapesBa
             "ShapesDataset", "class_prompts", "heldout_combinations", "load_image"]
 __all__ += ["IMAGE_CHAR", "QABatch", "QAPair", "QARow", "ShapesQADataset", "image_token_id",
             "qa_alphabet"]
+__all__ += ["FolderPairs", "ShapesPairs", "TokenizerBase", "encode_texts"]

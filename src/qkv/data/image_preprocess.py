@@ -9,7 +9,9 @@ shorter side is S (bicubic; the longer side ``int(S · long / short)``, as trans
 [0, 1] and normalised with CLIP's mean and standard deviation -> (3, S, S) float32.
 Pillow images are resized by Pillow in uint8 (as ``CLIPImageProcessor``); tensors by
 ``torch.nn.functional.interpolate(mode="bicubic", antialias=True)``, clamped to [0, 1].
-``preprocess_images(images, size)`` stacks a list into (B, 3, S, S).
+``preprocess_images(images, size)`` stacks a list into (B, 3, S, S). ``processor_config(S)``
+writes the same transform in HF ``CLIPImageProcessor``'s fields (a checkpoint's
+``preprocessor_config.json``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["CLIP_MEAN", "CLIP_STD", "normalize", "preprocess_image", "preprocess_images",
-           "resize_shorter_side", "to_pixel_values"]
+           "processor_config", "resize_shorter_side", "to_pixel_values"]
 
 #: OpenAI CLIP's per-channel statistics (RGB), of pixels scaled to [0, 1]
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -150,3 +152,21 @@ def to_pixel_values(images: Tensor) -> Tensor:
         raise TypeError(f"to_pixel_values: images must be floating in [0, 1] or uint8, got "
                         f"{images.dtype}")
     return normalize(images.float(), CLIP_MEAN, CLIP_STD)  # (B, 3, H, W)
+
+
+def processor_config(size: int) -> dict[str, Any]:
+    """``preprocess_image(image, size)`` in the fields of HF ``CLIPImageProcessor`` (what a
+    checkpoint's ``preprocessor_config.json`` holds): shorter side resized to S = ``size``
+    (bicubic, resample 3), centre-cropped to S × S, scaled by 1/255, normalised with
+    ``CLIP_MEAN`` / ``CLIP_STD``, converted to RGB.
+
+    Raises:
+        ValueError naming ``size`` when it is not a positive int.
+    """
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        raise ValueError(f"processor_config: size must be a positive int, got {size!r}")
+    return {"image_processor_type": "CLIPImageProcessor", "do_resize": True,
+            "size": {"shortest_edge": size}, "resample": 3, "do_center_crop": True,
+            "crop_size": {"height": size, "width": size}, "do_rescale": True,
+            "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": list(CLIP_MEAN),
+            "image_std": list(CLIP_STD), "do_convert_rgb": True}

@@ -6,7 +6,8 @@ Shapes: B batch, N padded sequence length.
 Both reserve the same special ids: ``<pad>`` = 0, ``<bos>`` = 1, ``<eos>`` = 2, ``<unk>`` = 3.
 Text that merely spells a special (the five characters ``<pad>``) is encoded as ordinary
 text, never as the special id. A tokenizer is saved as ONE JSON file with a ``"kind"``
-field ("char" or "bpe"); ``read_tokenizer`` reads either.
+field ("char" or "bpe"); ``read_tokenizer`` reads either (and ``WordTokenizer``'s "word").
+Their shared base (special ids, batching, saving) is ``qkv.data.tokenizer_base``.
 """
 
 from __future__ import annotations
@@ -17,16 +18,13 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
 from .files import DataError
+from .tokenizer_base import FORMAT_VERSION, SPECIALS, TokenizerBase
 
 __all__ = ["SPECIALS", "BPETokenizer", "CharTokenizer", "read_tokenizer"]
 
-#: Special tokens, in id order.
-SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
-_FORMAT_VERSION = 1
 #: Whitespace shown visibly in ``tokens()`` (heatmap labels).
 _VISIBLE = {" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"}
 
@@ -35,73 +33,7 @@ def _visible(text: str) -> str:
     return "".join(_VISIBLE.get(c, c) for c in text)
 
 
-class _Base:
-    """What both tokenizers share: special ids, batching, saving."""
-
-    pad_id = 0
-    bos_id = 1
-    eos_id = 2
-    unk_id = 3
-    kind = ""
-
-    @property
-    def vocab_size(self) -> int:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    def __len__(self) -> int:
-        return self.vocab_size
-
-    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        """Token ids of ``text``, optionally framed by ``<bos>`` / ``<eos>``."""
-        if not isinstance(text, str):
-            raise TypeError(f"text must be a str, got {type(text).__name__}")
-        ids = self._encode(text)
-        return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
-
-    def _encode(self, text: str) -> list[int]:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    def _check_ids(self, ids: Sequence[int] | Tensor) -> list[int]:
-        if isinstance(ids, Tensor):
-            if ids.dim() != 1:
-                raise ValueError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
-            ids = ids.tolist()
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"ids must be in [0, {self.vocab_size}), got {bad[0]}")
-        return ids
-
-    def encode_batch(self, texts: Sequence[str], *, add_bos: bool = False,
-                     add_eos: bool = False) -> tuple[Tensor, Tensor]:
-        """Encode several texts, right-padded with ``pad_id``.
-
-        Returns ``(ids, lengths)``: ids LongTensor (B, N) with N the longest encoding (0 for
-        an empty batch), lengths LongTensor (B,) counting the non-pad ids of each row.
-        """
-        if isinstance(texts, str):
-            raise TypeError("texts must be a sequence of str, got a single str")
-        rows = [self.encode(t, add_bos=add_bos, add_eos=add_eos) for t in texts]
-        lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)  # (B,)
-        n = max((len(r) for r in rows), default=0)
-        ids = torch.full((len(rows), n), self.pad_id, dtype=torch.long)  # (B, N)
-        for b, row in enumerate(rows):
-            ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
-        return ids, lengths
-
-    def _payload(self) -> dict:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the tokenizer as one JSON file, atomically (temp file + rename)."""
-        from qkv.files import atomic_write
-
-        text = json.dumps({"kind": self.kind, "version": _FORMAT_VERSION, **self._payload()},
-                          ensure_ascii=False)
-        atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
-
-
-class CharTokenizer(_Base):
+class CharTokenizer(TokenizerBase):
     """One id per character of ``alphabet`` (after the 4 specials, in the alphabet's order;
     repeated characters are kept once). Characters outside it encode to ``unk_id``.
 
@@ -174,7 +106,7 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(keep, chars, strict=True)}
 
 
-class BPETokenizer(_Base):
+class BPETokenizer(TokenizerBase):
     """Byte-level BPE (HF ``tokenizers``): any text, Chinese and emoji included, round-trips
     exactly, and no input is ever ``<unk>``. Build one with ``BPETokenizer.train``."""
 
@@ -273,9 +205,9 @@ def read_tokenizer(path: str | os.PathLike) -> CharTokenizer | BPETokenizer:
     if not isinstance(data, dict) or "kind" not in data:
         raise DataError(f"{path}: not a qkv tokenizer (no \"kind\" field)")
     kind = data["kind"]
-    if data.get("version") != _FORMAT_VERSION:
+    if data.get("version") != FORMAT_VERSION:
         raise DataError(f"{path}: unsupported tokenizer version {data.get('version')!r} "
-                        f"(this qkv reads {_FORMAT_VERSION})")
+                        f"(this qkv reads {FORMAT_VERSION})")
     try:
         if kind == "char":
             return CharTokenizer(data["alphabet"])

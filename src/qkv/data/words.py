@@ -20,12 +20,12 @@ from collections.abc import Iterable, Sequence
 
 from torch import Tensor
 
-from .tokenizer import SPECIALS, _Base
+from .tokenizer_base import SPECIALS, TokenizerBase
 
 __all__ = ["WordTokenizer"]
 
 
-class WordTokenizer(_Base):
+class WordTokenizer(TokenizerBase):
     """One id per word of ``words`` (after the 4 specials, in the list's order; repeated
     words are kept once). Words hold no whitespace.
 

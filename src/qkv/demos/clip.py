@@ -136,9 +136,9 @@ def zero_shot_class_weights(model: Any, tokenizer: Any, language: str) -> Tensor
     """Class embeddings (K, E), unit rows, of the 30 combinations from the prompt templates
     of ``language`` ("en" / "zh"): per template, ``class_prompts`` encoded and normalised
     (``qkv.models.zero_shot_weights``); the M templates averaged and renormalised."""
+    from ..data.clip_text import encode_texts
     from ..data.shapes import PROMPT_TEMPLATES, class_prompts
     from ..models.zero_shot import zero_shot_weights
-    from ..train.kinds.clip import encode_texts
 
     device = next(model.parameters()).device
 
@@ -164,7 +164,7 @@ def _image_embeds(model: Any, images: Tensor, chunk: int = 250) -> Tensor:
 @torch.no_grad()
 def _text_embeds(model: Any, tokenizer: Any, texts: list[str], chunk: int = 250) -> Tensor:
     """(B, E) text embeddings, fp32."""
-    from ..train.kinds.clip import encode_texts
+    from ..data.clip_text import encode_texts
 
     device = next(model.parameters()).device
     rows = []

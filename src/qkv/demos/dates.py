@@ -50,11 +50,11 @@ def _alignment(model: torch.nn.Module, tokenizer: Any, source: str, target: str,
                path: Path) -> Path:
     """Cross-attention of the last decoder layer (mean over heads) for one translation: rows
     are output characters, columns the source characters each output step looks at."""
-    from ..train.data import make_batch
+    from ..train.kinds import get_kind
     from ..viz import plot_alignment
     from ..viz.maps import attention_maps
 
-    batch = make_batch("transformer", [(source, target)], tokenizer)
+    batch = get_kind("transformer").make_batch([(source, target)], tokenizer)
     maps = attention_maps(model, batch["src"], target_ids=batch["tgt_in"])
     # row i is the decoder step that outputs target token i: label rows by that output
     return plot_alignment(maps["cross"][-1],

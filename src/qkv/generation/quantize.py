@@ -4,15 +4,16 @@ generation-side names.
 The int8 layer and its math (``QuantizedLinear``, ``quantize_weight``, ``quantize_rows``,
 ``int8_linear``; shapes and the error bound) live in ``qkv.modules.quantized``; the model
 conversion and the quantized directory format (``quantize``, ``QuantizedMLMHead``,
-quantization.json) in ``qkv.models.quantized``, so that ``Model.from_pretrained`` reads a
-quantized directory without importing this package. The names stay importable from here.
+quantization.json) in ``qkv.models.quantized``, a step every ``from_pretrained`` runs
+(``qkv.models.loading``), so that loading a quantized directory needs nothing from this
+package. The names stay importable from here.
 
 Shapes: M rows, K input features, N output features.
 
 Files: ``save_quantized(model, dir)`` is ``model.save_pretrained(dir)`` for a quantized model
 (config.json + model.safetensors with the int8 weights and their fp32 scales +
 quantization.json); ``load_quantized(dir)`` is ``from_pretrained`` of the class config.json
-names, refusing a directory that is not quantized.
+names (``qkv.models.registry``), refusing a directory that is not quantized.
 """
 
 from __future__ import annotations
@@ -23,13 +24,8 @@ from pathlib import Path
 from torch import nn
 
 from ..files import CONFIG_NAME, QUANT_NAME, CheckpointError, read_json
-from ..models.quantized import (
-    MODELS,
-    QuantizedMLMHead,
-    is_quantized,
-    quantization_info,
-    quantize,
-)
+from ..models.quantized import QuantizedMLMHead, is_quantized, quantization_info, quantize
+from ..models.registry import ENTRIES
 from ..modules.quantized import (
     QuantizedLinear,
     int8_linear,
@@ -57,18 +53,18 @@ def load_quantized(directory: str | os.PathLike, model_class: type | None = None
     """The quantized model saved by ``save_quantized`` in ``directory`` (eval mode).
 
     ``model_class`` (GPT, Transformer, BERT) defaults to the one config.json's model_type
-    names. Raises ``CheckpointError`` when ``quantization.json`` is missing or names another
-    format, or when the weights do not match (names, shapes, or an int8 weight stored in
-    another dtype)."""
+    names (a quantizable entry of ``qkv.models.registry``). Raises ``CheckpointError`` when
+    ``quantization.json`` is missing or names another format, or when the weights do not
+    match (names, shapes, or an int8 weight stored in another dtype)."""
     directory = Path(directory)
     if quantization_info(directory) is None:
         raise CheckpointError(f"{directory}: no {QUANT_NAME}; not a quantized model directory "
                               f"(load it with from_pretrained)")
     if model_class is None:
-        data = read_json(directory / CONFIG_NAME)
-        kinds = {m.config_class.MODEL_TYPE: m for m in MODELS}
-        model_class = kinds.get(data.get("model_type"))
-        if model_class is None:
-            raise CheckpointError(f"{directory}: config model_type {data.get('model_type')!r} "
-                                  f"is not one of {sorted(kinds)}")
+        model_type = read_json(directory / CONFIG_NAME).get("model_type")
+        quantizable = {e.model_type: e.model_class for e in ENTRIES if e.quantizable}
+        if model_type not in quantizable:
+            raise CheckpointError(f"{directory}: config model_type {model_type!r} "
+                                  f"is not one of {sorted(quantizable)}")
+        model_class = quantizable[model_type]
     return model_class.from_pretrained(directory)

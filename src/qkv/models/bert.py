@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -46,21 +45,10 @@ from ..modules.linear_call import apply_linear
 from ..modules.norms import LayerNorm
 from ..modules.positions import Learned
 from ..ops.fast_linear import fast_linear
-from .hf_bert import LAYER_KEY, config_from_hf, map_hf_state, normalise_hf_state
-from .hf_state import layer_field
-from .hub import (
-    CONFIG_NAME,
-    CheckpointError,
-    CheckpointWeights,
-    ModelConfig,
-    PretrainedMixin,
-    check_against_header,
-    check_and_load,
-    check_layer_counts,
-    check_norm_eps,
-    load_tokenizer,
-    read_json,
-)
+from .config import ModelConfig, check_norm_eps
+from .hf_bert import BERT_HF
+from .hf_load import HFMapping, load_hf
+from .hub import PretrainedMixin, load_tokenizer
 from .inputs import check_token_ids
 
 __all__ = ["BERT", "BERTConfig", "BERTOutput", "key_padding_mask", "load_tokenizer",
@@ -150,14 +138,17 @@ class BERTOutput:
 
 class MLMHead(nn.Module):
     """BERT's masked-LM transform: Linear(C -> C), activation, LayerNorm; then the decoder,
-    tied to the word embeddings, plus a bias (V,). (B, N, C) -> (B, N, V)."""
+    tied to the word embeddings, plus a bias (V,). (B, N, C) -> (B, N, V). ``device``,
+    ``dtype``: of the parameters."""
 
-    def __init__(self, dim: int, vocab_size: int, *, activation: str, eps: float) -> None:
+    def __init__(self, dim: int, vocab_size: int, *, activation: str, eps: float,
+                 device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.activation = activation
-        self.dense = nn.Linear(dim, dim)
-        self.norm = LayerNorm(dim, eps=eps)
-        self.bias = nn.Parameter(torch.zeros(vocab_size))
+        self.dense = nn.Linear(dim, dim, device=device, dtype=dtype)
+        self.norm = LayerNorm(dim, eps=eps, device=device, dtype=dtype)
+        self.bias = nn.Parameter(torch.zeros(vocab_size, device=device, dtype=dtype))
 
     def forward(self, hidden: Tensor, word_weight: Tensor) -> Tensor:
         """hidden (B, N, C), word_weight (V, C) -> logits (B, N, V)."""
@@ -167,6 +158,10 @@ class MLMHead(nn.Module):
 
 class BERT(PretrainedMixin, nn.Module):
     """BERT encoder (post-norm ``EncoderLayer`` stack) with optional pooler and MLM head.
+
+    Args:
+        config: a ``BERTConfig``.
+        device, dtype: of the parameters.
 
     Example::
 
@@ -185,29 +180,37 @@ class BERT(PretrainedMixin, nn.Module):
     """
 
     config_class: ClassVar[type[ModelConfig]] = BERTConfig
+    hf_mapping: ClassVar[HFMapping] = BERT_HF
+    #: ``qkv.quantize`` turns its linear layers to int8; the MLM head's decoder is the word
+    #: embedding table, quantized as one head (``qkv.models.quantized.QuantizedMLMHead``)
+    quantizable: ClassVar[bool] = True
+    tied_heads: ClassVar[dict[str, str]] = {"mlm": "word_embeddings"}
 
-    def __init__(self, config: BERTConfig) -> None:
+    def __init__(self, config: BERTConfig, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         if not isinstance(config, BERTConfig):
             raise TypeError(f"BERT: config must be a BERTConfig, got {type(config).__name__}")
         self.config = config
         c = config
-        self.word_embeddings = nn.Embedding(c.vocab_size, c.dim, padding_idx=c.pad_token_id)
-        self.position = Learned(c.max_len, c.dim)
-        self.token_type_embeddings = nn.Embedding(c.type_vocab_size, c.dim)
-        self.embed_norm = LayerNorm(c.dim, eps=c.norm_eps)
+        f = {"device": device, "dtype": dtype}
+        self.word_embeddings = nn.Embedding(c.vocab_size, c.dim, padding_idx=c.pad_token_id,
+                                            **f)
+        self.position = Learned(c.max_len, c.dim, **f)
+        self.token_type_embeddings = nn.Embedding(c.type_vocab_size, c.dim, **f)
+        self.embed_norm = LayerNorm(c.dim, eps=c.norm_eps, **f)
         self.embed_dropout = nn.Dropout(c.dropout)
         # EncoderLayer.build's FeedForward would add dropout after the activation, which
         # BERT does not have: the parts are built here (dropout only on the residuals).
         self.layers = nn.ModuleList(
             EncoderLayer(
-                MultiHeadAttention(c.dim, c.num_heads, dropout=c.attn_dropout),
-                FeedForward(c.dim, c.ffn_hidden, activation=c.activation),
-                LayerNorm(c.dim, eps=c.norm_eps), LayerNorm(c.dim, eps=c.norm_eps),
+                MultiHeadAttention(c.dim, c.num_heads, dropout=c.attn_dropout, **f),
+                FeedForward(c.dim, c.ffn_hidden, activation=c.activation, **f),
+                LayerNorm(c.dim, eps=c.norm_eps, **f), LayerNorm(c.dim, eps=c.norm_eps, **f),
                 norm_first=False, dropout=c.dropout)
             for _ in range(c.num_layers))
-        self.pooler = nn.Linear(c.dim, c.dim) if c.with_pooler else None
-        self.mlm = (MLMHead(c.dim, c.vocab_size, activation=c.activation, eps=c.norm_eps)
+        self.pooler = nn.Linear(c.dim, c.dim, **f) if c.with_pooler else None
+        self.mlm = (MLMHead(c.dim, c.vocab_size, activation=c.activation, eps=c.norm_eps, **f)
                     if c.with_mlm_head else None)
         self.reset_parameters()
 
@@ -330,39 +333,9 @@ class BERT(PretrainedMixin, nn.Module):
         return loss, logits
 
     # --- HuggingFace checkpoints --------------------------------------------------------
-    def hf_key_map(self) -> dict[str, str | tuple[str, str, str]]:
-        """Each state-dict key of this model -> its HuggingFace ``BertModel`` /
-        ``BertForMaskedLM`` key (without the "bert." prefix); fused projections map to the
-        (query, key, value) triple."""
-        m: dict[str, str | tuple[str, str, str]] = {
-            "word_embeddings.weight": "embeddings.word_embeddings.weight",
-            "position.weight": "embeddings.position_embeddings.weight",
-            "token_type_embeddings.weight": "embeddings.token_type_embeddings.weight",
-            "embed_norm.weight": "embeddings.LayerNorm.weight",
-            "embed_norm.bias": "embeddings.LayerNorm.bias",
-        }
-        for i in range(len(self.layers)):
-            q, h = f"layers.{i}.", f"encoder.layer.{i}."
-            for p in ("weight", "bias"):
-                m[f"{q}attn.in_proj.{p}"] = tuple(
-                    f"{h}attention.self.{n}.{p}" for n in ("query", "key", "value"))
-                m[f"{q}attn.out_proj.{p}"] = f"{h}attention.output.dense.{p}"
-                m[f"{q}norm1.{p}"] = f"{h}attention.output.LayerNorm.{p}"
-                m[f"{q}ffn.fc_in.{p}"] = f"{h}intermediate.dense.{p}"
-                m[f"{q}ffn.fc_out.{p}"] = f"{h}output.dense.{p}"
-                m[f"{q}norm2.{p}"] = f"{h}output.LayerNorm.{p}"
-        for p in ("weight", "bias"):
-            if self.pooler is not None:
-                m[f"pooler.{p}"] = f"pooler.dense.{p}"
-            if self.mlm is not None:
-                m[f"mlm.dense.{p}"] = f"cls.predictions.transform.dense.{p}"
-                m[f"mlm.norm.{p}"] = f"cls.predictions.transform.LayerNorm.{p}"
-        if self.mlm is not None:
-            m["mlm.bias"] = "cls.predictions.bias"
-        return m
-
     @classmethod
-    def from_hf(cls, directory: str | os.PathLike, *, allow_pickle: bool = False) -> BERT:
+    def from_hf(cls, directory: str | os.PathLike, *, allow_pickle: bool = False,
+                **kwargs: Any) -> BERT:
         """A ``BERT`` with the weights of a local HuggingFace BERT checkpoint directory.
 
         Reads config.json (model_type "bert": hidden_size, num_hidden_layers,
@@ -382,37 +355,17 @@ class BERT(PretrainedMixin, nn.Module):
         (used, ignored as unable to change the outputs, or checked); a field it does not
         know loads with a warning.
 
+        ``kwargs`` (device, dtype) go to the constructor; the steps are
+        ``qkv.models.hf_load.load_hf``'s, as for every HF architecture (the mapping:
+        ``qkv.models.hf_bert.BERT_HF``).
+
         Raises:
             CheckpointError naming missing, unknown or mis-shaped HuggingFace keys, each
             config option qkv does not compute with its value (is_decoder, cross-attention,
             relative position embeddings, an unknown activation, an untied MLM decoder...),
             or a pickle-only directory without ``allow_pickle=True``.
         """
-        directory = Path(directory)
-        hf = read_json(directory / CONFIG_NAME)
-        source = str(directory)
-        fields = config_from_hf(hf, source)  # refuses unsupported options before reading
-        weights = CheckpointWeights(directory, allow_pickle=allow_pickle)
-        check_layer_counts(weights, [(layer_field(hf, "num_hidden_layers"),
-                                      fields["num_layers"], LAYER_KEY)],
-                           f"{directory / CONFIG_NAME}")
-
-        def build(state: dict[str, Tensor]) -> BERT:
-            state = normalise_hf_state(state, source,
-                                       tied=hf.get("tie_word_embeddings", True) is not False)
-            try:
-                config = BERTConfig(**fields, with_pooler="pooler.dense.weight" in state,
-                                    with_mlm_head=any(k.startswith("cls.predictions.")
-                                                      for k in state))
-            except (TypeError, ValueError) as err:
-                raise CheckpointError(f"{source}: config.json is not a valid BERT config: "
-                                      f"{err}") from err
-            model = cls(config)
-            check_and_load(model, map_hf_state(model, state, source), source)
-            return model
-
-        check_against_header(build, weights, hf)  # names, shapes, dtypes: before allocating
-        return build(weights.load()).eval()  # as transformers: loaded models start in eval
+        return load_hf(cls.hf_mapping, cls, directory, allow_pickle=allow_pickle, **kwargs)
 
 
 def key_padding_mask(keep: Tensor) -> Tensor:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -43,7 +42,10 @@ from ..modules.linear_call import apply_linear
 from ..modules.norms import LayerNorm
 from ..modules.positions import Learned
 from .clip_loss import clip_loss
-from .hub import ModelConfig, PretrainedMixin
+from .config import ModelConfig
+from .hf_clip import CLIP_HF
+from .hf_load import HFMapping, load_hf
+from .hub import PretrainedMixin
 from .inputs import check_token_ids
 from .vit import ViT, ViTConfig, ViTOutput, check_layer_fields
 
@@ -396,6 +398,7 @@ class CLIP(PretrainedMixin, nn.Module):
     """
 
     config_class: ClassVar[type[ModelConfig]] = CLIPConfig
+    hf_mapping: ClassVar[HFMapping] = CLIP_HF
 
     def __init__(self, config: CLIPConfig, *, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
@@ -516,8 +519,7 @@ class CLIP(PretrainedMixin, nn.Module):
         in ``qkv.models.hf_config.CLIP_FIELDS`` (``CLIP_TEXT_FIELDS``,
         ``CLIP_VISION_FIELDS``); an option qkv does not compute raises ``CheckpointError``
         naming it, an unknown field warns. ``kwargs`` (device, dtype) go to the
-        constructor. The tokenizer, if any: ``qkv.models.load_tokenizer(directory)``.
+        constructor (the steps are ``qkv.models.hf_load.load_hf``'s, as for every HF
+        architecture). The tokenizer, if any: ``qkv.models.load_tokenizer(directory)``.
         """
-        from .hf_clip import load_hf_clip
-
-        return load_hf_clip(cls, Path(directory), allow_pickle=allow_pickle, **kwargs)
+        return load_hf(cls.hf_mapping, cls, directory, allow_pickle=allow_pickle, **kwargs)

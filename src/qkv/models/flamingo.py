@@ -61,13 +61,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from ..files import CheckpointError, atomic_write, read_json
 from ..modules.gated_cross_attention import GatedCrossAttentionBlock, MediaKV, text_time_from_ids
 from ..modules.positions import positions_from_mask
 from ..modules.resampler import PerceiverResampler
 from .clip import CLIP
+from .config import ModelConfig
 from .flamingo_decode import FlamingoCache, FlamingoDecoder, check_image_counts
-from .gpt import GPT, _LinearCrossEntropy
-from .hub import CheckpointError, ModelConfig, atomic_write, read_json
+from .gpt import GPT, linear_cross_entropy
 from .inputs import check_token_ids
 from .vit import ViT
 
@@ -397,8 +398,8 @@ class Flamingo(nn.Module):
         kvs, text_time, media_mask = self._prepare(input_ids, images, attention_mask)
         h = self.hidden_states(input_ids, media_kv=kvs, text_time=text_time,
                                media_mask=media_mask, attention_mask=attention_mask)
-        return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]), self.lm.lm_head.weight,
-                                         t, ignore_index, 512)
+        return linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm.lm_head.weight, t,
+                                    ignore_index=ignore_index, chunk=512)
 
     # --- generation ---------------------------------------------------------------------------
     def bind_images(self, images: Tensor | None, *,

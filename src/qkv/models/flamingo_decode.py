@@ -7,7 +7,7 @@ tokens, V vocab, T image slots.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -15,9 +15,6 @@ from torch import Tensor, nn
 from ..modules.cache import KVCache
 from ..modules.gated_cross_attention import MediaKV, text_time_from_ids
 from .inputs import check_token_ids
-
-if TYPE_CHECKING:
-    from .flamingo import Flamingo
 
 __all__ = ["FlamingoCache", "FlamingoDecoder", "check_image_counts"]
 
@@ -64,6 +61,9 @@ class FlamingoDecoder(nn.Module):
     """A ``Flamingo`` with its images bound (``Flamingo.bind_images``): the decoder-only
     interface ``qkv.generate`` drives. ``config`` is the LM's.
 
+    ``flamingo``: the ``qkv.models.Flamingo`` (this module does not import it, which imports
+    this one): its ``lm``, ``config.image_token_id`` and ``hidden_states`` are used.
+
     ``forward(input_ids (R, N), attention_mask=None, cache=None)`` -> logits (R, N, V) with
     R = B, or R = B·K (each bound row repeated K times consecutively: beam search).
     ``new_cache(R, capacity)`` -> ``FlamingoCache``.
@@ -75,7 +75,7 @@ class FlamingoDecoder(nn.Module):
     path ``qkv.generate(..., use_cache=False)`` returns the same tokens.
     """
 
-    def __init__(self, flamingo: Flamingo, kvs: dict[str, MediaKV], media_mask: Tensor,
+    def __init__(self, flamingo: nn.Module, kvs: dict[str, MediaKV], media_mask: Tensor,
                  counts: Tensor) -> None:
         super().__init__()
         self.flamingo = flamingo

@@ -23,17 +23,14 @@ GPT-2 directory (config.json + model.safetensors); the conversion lives in
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
-from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from ..modules.cache import KVCache, LinearCache, WindowKVCache
-from ..modules.feedforward import ACTIVATIONS
 from ..modules.layers import EncoderLayer
 from ..modules.linear_attention import LinearAttention
 from ..modules.linear_call import apply_linear
@@ -42,147 +39,14 @@ from ..modules.positions import Learned, RoPE, positions_from_mask
 from ..ops.fast_linear import fast_linear
 from ..ops.masks import Mask, Padding
 from ..ops.sparse_masks import SlidingWindow
-from .hub import ModelConfig, PretrainedMixin, check_norm_eps, load_tokenizer
+from .config import ModelConfig
+from .gpt_config import GPTConfig
+from .hf_gpt2 import GPT2
+from .hf_load import HFMapping, load_hf
+from .hub import PretrainedMixin, load_tokenizer
 from .inputs import check_token_ids
 
-__all__ = ["GPT", "GPTConfig", "GPTOutput", "load_tokenizer"]
-
-
-
-@dataclasses.dataclass(frozen=True)
-class GPTConfig(ModelConfig):
-    """Configuration of a ``GPT`` (frozen; ``GPTConfig.from_name("gpt2")`` for a preset).
-
-    Args:
-        vocab_size: V.
-        max_len: the context length (the most positions ``Learned`` embeds; with RoPE only
-            a documented limit, not enforced).
-        dim: C, the model width.
-        num_layers: L.
-        num_heads: H; ``dim % num_heads == 0``.
-        num_kv_heads: key/value heads (grouped-query attention); default H.
-        ffn_hidden: the feed-forward width, default 4·C.
-        activation: "gelu_tanh" (GPT-2's "gelu_new"), "gelu", "relu", "silu" or "swiglu".
-        norm: "layernorm" or "rmsnorm"; ``norm_eps`` its epsilon, in [1e-38, 1].
-        positions: "learned" (GPT-2) or "rope".
-        dropout: embedding, residual and FFN dropout; ``attn_dropout`` on attention weights.
-        bias: biases in the linear layers.
-        tie_embeddings: the LM head shares the token embedding's (V, C) weight.
-        attention: "softmax" (exact, ``MultiHeadAttention``) or "linear"
-            (``LinearAttention``: kernelised, O(N) in N, constant-size decoding state).
-        attention_window: W, softmax attention only: each position attends to itself and
-            the W - 1 before it (``SlidingWindow(W, causal=True)``); None = full causal.
-        feature_map: linear attention's φ: "elu" (elu + 1) or "favor" (FAVOR+).
-        num_features: the FAVOR+ feature count m (default round(D·ln D)); "favor" only.
-
-    Presets: "gpt2" (124M), "gpt2-medium" (355M), "gpt-tiny" (tests), "gpt-small-cpu"
-    (6 layers, width 384, the CPU training benchmark).
-    """
-
-    vocab_size: int
-    max_len: int
-    dim: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int | None = None
-    ffn_hidden: int | None = None
-    activation: str = "gelu_tanh"
-    norm: str = "layernorm"
-    norm_eps: float = 1e-5
-    positions: str = "learned"
-    dropout: float = 0.0
-    attn_dropout: float = 0.0
-    bias: bool = True
-    tie_embeddings: bool = True
-    attention: str = "softmax"
-    attention_window: int | None = None
-    feature_map: str = "elu"
-    num_features: int | None = None
-
-    MODEL_TYPE: ClassVar[str] = "qkv-gpt"
-    LAYER_KEYS: ClassVar[dict[str, str]] = {"num_layers": r"layers\.(\d+)\."}
-    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
-        "gpt2": {"vocab_size": 50257, "max_len": 1024, "dim": 768, "num_layers": 12,
-                 "num_heads": 12},
-        "gpt2-medium": {"vocab_size": 50257, "max_len": 1024, "dim": 1024, "num_layers": 24,
-                        "num_heads": 16},
-        "gpt-tiny": {"vocab_size": 256, "max_len": 128, "dim": 128, "num_layers": 2,
-                     "num_heads": 4},
-        "gpt-small-cpu": {"vocab_size": 8192, "max_len": 256, "dim": 384, "num_layers": 6,
-                          "num_heads": 6},
-    }
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "max_len", "dim", "num_layers", "num_heads"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
-                raise ValueError(f"GPTConfig: {name} must be a positive int, got {val!r}")
-        if self.dim % self.num_heads:
-            raise ValueError(f"GPTConfig: dim={self.dim} is not divisible by "
-                             f"num_heads={self.num_heads}")
-        kv = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
-        if not isinstance(kv, int) or kv <= 0 or self.num_heads % kv:
-            raise ValueError(f"GPTConfig: num_heads={self.num_heads} must be a multiple of "
-                             f"num_kv_heads={self.num_kv_heads!r}")
-        if self.ffn_hidden is not None and (not isinstance(self.ffn_hidden, int)
-                                            or self.ffn_hidden <= 0):
-            raise ValueError(f"GPTConfig: ffn_hidden must be a positive int or None, "
-                             f"got {self.ffn_hidden!r}")
-        if self.activation not in (*ACTIVATIONS, "swiglu"):
-            raise ValueError(f"GPTConfig: activation must be one of "
-                             f"{sorted((*ACTIVATIONS, 'swiglu'))}, got {self.activation!r}")
-        if self.norm not in ("layernorm", "rmsnorm"):
-            raise ValueError(f"GPTConfig: norm must be 'layernorm' or 'rmsnorm', "
-                             f"got {self.norm!r}")
-        if self.positions not in ("learned", "rope"):
-            raise ValueError(f"GPTConfig: positions must be 'learned' or 'rope', "
-                             f"got {self.positions!r}")
-        if self.positions == "rope" and (self.dim // self.num_heads) % 2:
-            raise ValueError(f"GPTConfig: rope needs an even head dim, got "
-                             f"{self.dim} // {self.num_heads} = {self.dim // self.num_heads}")
-        for name in ("dropout", "attn_dropout"):
-            val = getattr(self, name)
-            if not isinstance(val, (int, float)) or not 0.0 <= val < 1.0:
-                raise ValueError(f"GPTConfig: {name} must be in [0, 1), got {val!r}")
-        check_norm_eps("GPTConfig", self.norm_eps)
-        self._check_attention()
-
-    def _check_attention(self) -> None:
-        if self.attention not in ("softmax", "linear"):
-            raise ValueError(f"GPTConfig: attention must be 'softmax' or 'linear', "
-                             f"got {self.attention!r}")
-        w = self.attention_window
-        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
-            raise ValueError(f"GPTConfig: attention_window must be a positive int or None, "
-                             f"got {w!r}")
-        if self.feature_map not in ("elu", "favor"):
-            raise ValueError(f"GPTConfig: feature_map must be 'elu' or 'favor', "
-                             f"got {self.feature_map!r}")
-        m = self.num_features
-        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
-            raise ValueError(f"GPTConfig: num_features must be a positive int or None, "
-                             f"got {m!r}")
-        if self.attention == "linear":
-            if w is not None:
-                raise ValueError(f"GPTConfig: attention_window={w} is for softmax attention; "
-                                 f"linear attention sums every past position (use "
-                                 f"attention='softmax' or attention_window=None)")
-            if self.attn_dropout:
-                raise ValueError(f"GPTConfig: attn_dropout={self.attn_dropout} drops "
-                                 f"attention weights, which linear attention never forms; "
-                                 f"use 0")
-            if m is not None and self.feature_map != "favor":
-                raise ValueError(f"GPTConfig: num_features={m} is for feature_map='favor', "
-                                 f"got feature_map={self.feature_map!r}")
-        elif self.feature_map != "elu" or m is not None:
-            raise ValueError(f"GPTConfig: feature_map={self.feature_map!r} / num_features="
-                             f"{m!r} are for attention='linear', got attention="
-                             f"{self.attention!r}")
-
-    @property
-    def head_dim(self) -> int:
-        """D = C // H."""
-        return self.dim // self.num_heads
+__all__ = ["GPT", "GPTConfig", "GPTOutput", "linear_cross_entropy", "load_tokenizer"]
 
 
 class GPTOutput(NamedTuple):
@@ -253,6 +117,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, None, None, None
 
 
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, *,
+                         ignore_index: int = -100, chunk: int = 512) -> Tensor:
+    """Mean cross-entropy of the logits ``hidden @ weightᵀ`` against ``targets``, the (M, V)
+    logits never materialised: computed ``chunk`` rows at a time, each block's softmax
+    turned into the gradient in place (the fused LM head + loss of ``GPT.loss`` and
+    ``Flamingo.loss``).
+
+    Args:
+        hidden: (M, C) hidden states (the rows of (B, N, C) flattened).
+        weight: (V, C) the LM head's weight.
+        targets: (M,) int64 token ids in [0, V), or ``ignore_index`` (left out of the mean).
+        chunk: rows of logits computed at a time.
+
+    Returns:
+        a scalar tensor, ``F.cross_entropy(hidden @ weight.T, targets)`` up to rounding
+        (0 when every target is ignored); differentiable in ``hidden`` and ``weight``.
+    """
+    return _LinearCrossEntropy.apply(hidden, weight, targets, ignore_index, chunk)
+
+
 class GPT(PretrainedMixin, nn.Module):
     """Decoder-only Transformer language model (Radford et al. 2019, GPT-2).
 
@@ -279,6 +163,8 @@ class GPT(PretrainedMixin, nn.Module):
 
     config_class: ClassVar[type[ModelConfig]] = GPTConfig
     tied_keys: ClassVar[tuple[str, ...]] = ("lm_head.weight",)
+    hf_mapping: ClassVar[HFMapping] = GPT2
+    quantizable: ClassVar[bool] = True
 
     def __init__(self, config: GPTConfig, *, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
@@ -526,8 +412,8 @@ class GPT(PretrainedMixin, nn.Module):
         # under autocast the hidden states may be bf16/fp16 while the head is fp32: the head
         # and its softmax run in the head's dtype (as autocast runs cross-entropy in fp32)
         with torch.autocast(h.device.type, enabled=False):
-            return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]).to(weight.dtype),
-                                             weight, t, ignore_index, chunk)
+            return linear_cross_entropy(h.reshape(-1, h.shape[-1]).to(weight.dtype), weight,
+                                        t, ignore_index=ignore_index, chunk=chunk)
 
     # --- HuggingFace --------------------------------------------------------------------------
     @classmethod
@@ -542,7 +428,6 @@ class GPT(PretrainedMixin, nn.Module):
         option qkv does not compute (cross-attention, unscaled or per-layer-scaled
         attention, an unknown activation...) raises ``CheckpointError`` naming it; a field
         it does not know loads with a warning. ``kwargs`` (device, dtype) go to the
-        constructor."""
-        from .hf_gpt2 import load_hf_gpt2
-
-        return load_hf_gpt2(cls, Path(directory), allow_pickle=allow_pickle, **kwargs)
+        constructor (the steps are ``qkv.models.hf_load.load_hf``'s, as for every HF
+        architecture)."""
+        return load_hf(cls.hf_mapping, cls, directory, allow_pickle=allow_pickle, **kwargs)

@@ -1,10 +1,11 @@
-"""HuggingFace BERT checkpoints -> ``qkv.models.bert.BERT``: config and weight conversion.
+"""HuggingFace BERT checkpoints -> ``qkv.models.bert.BERT``: the ``BERT_HF`` mapping (config
+fields, key map, state normalisation).
 
 Shapes: V vocab size, C model width. HF keeps separate query/key/value projections (C, C)
 and (C,); qkv's ``in_proj`` fuses them into (3C, C) / (3C,), rows q, k, v. Keys may carry
 the "bert." prefix (``BertForMaskedLM``/``BertForPreTraining``) or not (``BertModel``).
-The config fields are classified in ``qkv.models.hf_config.BERT_FIELDS``. This module does
-not import ``bert`` (``BERT.from_hf`` calls it), so there is no import circle.
+The config fields are classified in ``qkv.models.hf_config.BERT_FIELDS``. ``BERT_HF`` is the
+mapping ``hf_load.load_hf`` runs (``BERT.from_hf``); this module never imports the model.
 """
 
 from __future__ import annotations
@@ -13,11 +14,15 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from ..files import CheckpointError
 from .hf_config import BERT_FIELDS, HF_ACTIVATIONS, audit_hf_config
+from .hf_load import HFMapping
+from .hf_state import KeyMap, layer_field
 from .hf_state import map_hf_state as map_state
-from .hub import CheckpointError, same_values
+from .weights import same_values
 
-__all__ = ["LAYER_KEY", "config_from_hf", "map_hf_state", "normalise_hf_state"]
+__all__ = ["BERT_HF", "LAYER_KEY", "bert_key_map", "config_from_hf", "map_hf_state",
+           "normalise_hf_state"]
 
 #: the layer index in the names of HF BERT's encoder tensors (num_hidden_layers counts them)
 LAYER_KEY = r"(?:bert\.)?encoder\.layer\.(\d+)\."
@@ -91,7 +96,60 @@ def normalise_hf_state(state: dict[str, Tensor], source: str,
     return out
 
 
+def bert_key_map(config: Any) -> KeyMap:
+    """Each state-dict key of a ``BERT`` of ``config`` -> its HuggingFace ``BertModel`` /
+    ``BertForMaskedLM`` key (without the "bert." prefix); fused projections map to the
+    (query, key, value) triple. The pooler and MLM head as ``config.with_pooler`` /
+    ``config.with_mlm_head`` say."""
+    m: KeyMap = {
+        "word_embeddings.weight": "embeddings.word_embeddings.weight",
+        "position.weight": "embeddings.position_embeddings.weight",
+        "token_type_embeddings.weight": "embeddings.token_type_embeddings.weight",
+        "embed_norm.weight": "embeddings.LayerNorm.weight",
+        "embed_norm.bias": "embeddings.LayerNorm.bias",
+    }
+    for i in range(config.num_layers):
+        q, h = f"layers.{i}.", f"encoder.layer.{i}."
+        for p in ("weight", "bias"):
+            m[f"{q}attn.in_proj.{p}"] = tuple(
+                f"{h}attention.self.{n}.{p}" for n in ("query", "key", "value"))
+            m[f"{q}attn.out_proj.{p}"] = f"{h}attention.output.dense.{p}"
+            m[f"{q}norm1.{p}"] = f"{h}attention.output.LayerNorm.{p}"
+            m[f"{q}ffn.fc_in.{p}"] = f"{h}intermediate.dense.{p}"
+            m[f"{q}ffn.fc_out.{p}"] = f"{h}output.dense.{p}"
+            m[f"{q}norm2.{p}"] = f"{h}output.LayerNorm.{p}"
+    for p in ("weight", "bias"):
+        if config.with_pooler:
+            m[f"pooler.{p}"] = f"pooler.dense.{p}"
+        if config.with_mlm_head:
+            m[f"mlm.dense.{p}"] = f"cls.predictions.transform.dense.{p}"
+            m[f"mlm.norm.{p}"] = f"cls.predictions.transform.LayerNorm.{p}"
+    if config.with_mlm_head:
+        m["mlm.bias"] = "cls.predictions.bias"
+    return m
+
+
 def map_hf_state(model: nn.Module, state: dict[str, Tensor], source: str) -> dict[str, Tensor]:
-    """HF keys -> the keys of ``model`` (a ``BERT``: its ``hf_key_map()``), fusing q/k/v
-    (each (C, ...) -> in_proj (3C, ...), rows q, k, v); errors in HF names."""
-    return map_state(model.state_dict(), model.hf_key_map(), state, source, "BERT")
+    """HF keys -> the keys of ``model`` (a ``BERT``: ``bert_key_map(model.config)``), fusing
+    q/k/v (each (C, ...) -> in_proj (3C, ...), rows q, k, v); errors in HF names."""
+    return map_state(model.state_dict(), bert_key_map(model.config), state, source, "BERT")
+
+
+def _layer_counts(hf: dict[str, Any], fields: dict[str, Any], source: str) -> list:
+    return [(layer_field(hf, "num_hidden_layers"), fields["num_layers"], LAYER_KEY)]
+
+
+def _normalise(state: dict[str, Tensor], hf: dict[str, Any], source: str):
+    return normalise_hf_state(state, source, tied=hf.get("tie_word_embeddings", True) is not False)
+
+
+def _heads(state: dict[str, Tensor]) -> dict[str, Any]:
+    """The heads a checkpoint holds: the pooler and the masked-LM head are built when it does."""
+    return {"with_pooler": "pooler.dense.weight" in state,
+            "with_mlm_head": any(k.startswith("cls.predictions.") for k in state)}
+
+
+#: HF BERT (``BertModel``, ``BertForMaskedLM``, ``BertForPreTraining``) -> ``BERT``
+BERT_HF = HFMapping(model_type="bert", name="BERT", config_fields=config_from_hf,
+                    layer_counts=_layer_counts, key_map=bert_key_map, normalise=_normalise,
+                    state_fields=_heads)

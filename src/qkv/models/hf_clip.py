@@ -1,4 +1,6 @@
-"""HuggingFace CLIP checkpoints -> ``qkv.models.clip.CLIP``: config and weight conversion.
+"""HuggingFace CLIP checkpoints -> ``qkv.models.clip.CLIP``: the ``CLIP_HF`` mapping (config
+fields, key map, state conversion); ``hf_load.load_hf`` runs it, this module never imports
+the model.
 
 Shapes: Cv / Ct tower widths, E projection width, T = 1 + G·G image positions.
 HF's separate q/k/v projections fuse into qkv's ``in_proj`` (rows q, k, v); the vision
@@ -11,12 +13,11 @@ Config fields are classified in ``qkv.models.hf_config`` (``CLIP_FIELDS``,
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 
+from ..files import CheckpointError
 from .hf_config import (
     CLIP_ACTIVATIONS,
     CLIP_FIELDS,
@@ -24,20 +25,11 @@ from .hf_config import (
     CLIP_VISION_FIELDS,
     audit_hf_config,
 )
-from .hf_state import layer_field, map_hf_state
+from .hf_load import HFMapping
+from .hf_state import KeyMap, layer_field
 from .hf_vit import layer_key_map, square
-from .hub import (
-    CONFIG_NAME,
-    CheckpointError,
-    CheckpointWeights,
-    check_against_header,
-    check_and_load,
-    check_layer_counts,
-    read_json,
-)
 
-__all__ = ["TEXT_LAYER_KEY", "VISION_LAYER_KEY", "clip_key_map", "config_from_hf",
-           "load_hf_clip"]
+__all__ = ["CLIP_HF", "TEXT_LAYER_KEY", "VISION_LAYER_KEY", "clip_key_map", "config_from_hf"]
 
 #: the layer index in the names of HF CLIP's tower tensors (each tower's num_hidden_layers)
 TEXT_LAYER_KEY = r"text_model\.encoder\.layers\.(\d+)\."
@@ -107,10 +99,10 @@ def config_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
     }
 
 
-def clip_key_map(num_vision_layers: int, num_text_layers: int) -> dict[str, Any]:
+def clip_key_map(num_vision_layers: int, num_text_layers: int) -> KeyMap:
     """qkv ``CLIP`` keys -> HF ``CLIPModel`` keys (fused in_proj -> the (q, k, v) triple)."""
     vm, tm = "vision_model.", "text_model."
-    m: dict[str, Any] = {
+    m: KeyMap = {
         "vision.cls_token": f"{vm}embeddings.class_embedding",
         "vision.pos_embed": f"{vm}embeddings.position_embedding.weight",
         "vision.patch_embed.weight": f"{vm}embeddings.patch_embedding.weight",
@@ -131,7 +123,7 @@ def clip_key_map(num_vision_layers: int, num_text_layers: int) -> dict[str, Any]
     return m
 
 
-def _convert(state: dict[str, Tensor]) -> dict[str, Tensor]:
+def _convert(state: dict[str, Tensor], hf: dict[str, Any], source: str) -> dict[str, Tensor]:
     out = {k: t for k, t in state.items() if not k.endswith("embeddings.position_ids")}
     scale = out.get("logit_scale")
     if scale is not None and scale.dim() == 0:
@@ -139,34 +131,27 @@ def _convert(state: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def load_hf_clip(cls: Callable, directory: Path, *, allow_pickle: bool = False,
-                 **kwargs: Any):
-    """``cls`` (``CLIP``) from a local HF CLIPModel directory; see ``CLIP.from_hf``."""
-    from .clip import CLIPConfig
+def _towers(hf: dict[str, Any], source: str) -> dict[str, dict[str, Any]]:
+    return {name: _tower(hf, name, source) for name in ("text_config", "vision_config")}
 
-    hf = read_json(directory / CONFIG_NAME)
-    source = str(directory)
-    fields = config_from_hf(hf, source)  # refuses unsupported options before reading
-    try:
-        config = CLIPConfig(**fields)
-    except (TypeError, ValueError) as err:
-        raise CheckpointError(f"{source}: config.json is not a valid CLIP config: "
-                              f"{err}") from err
-    weights = CheckpointWeights(directory, allow_pickle=allow_pickle)
-    towers = {name: _tower(hf, name, source) for name in ("text_config", "vision_config")}
-    check_layer_counts(weights, [
-        (f"text_config.{layer_field(towers['text_config'], 'num_hidden_layers')}",
-         config.text.num_layers, TEXT_LAYER_KEY),
-        (f"vision_config.{layer_field(towers['vision_config'], 'num_hidden_layers')}",
-         config.vision.num_layers, VISION_LAYER_KEY)], f"{directory / CONFIG_NAME}")
 
-    def build(state: dict[str, Tensor], **kw: Any):
-        state = _convert(state)
-        model = cls(config, **kw)
-        key_map = clip_key_map(config.vision.num_layers, config.text.num_layers)
-        check_and_load(model, map_hf_state(model.state_dict(), key_map, state, source,
-                                           "CLIP"), source)
-        return model
+def _layer_counts(hf: dict[str, Any], fields: dict[str, Any], source: str) -> list:
+    towers = _towers(hf, source)
+    return [(f"text_config.{layer_field(towers['text_config'], 'num_hidden_layers')}",
+             fields["text"]["num_layers"], TEXT_LAYER_KEY),
+            (f"vision_config.{layer_field(towers['vision_config'], 'num_hidden_layers')}",
+             fields["vision"]["num_layers"], VISION_LAYER_KEY)]
 
-    check_against_header(build, weights, {**hf, **towers}, **kwargs)  # before allocating
-    return build(weights.load(), **kwargs).eval()  # as transformers: loaded models start in eval
+
+def _key_map(config: Any) -> KeyMap:
+    return clip_key_map(config.vision.num_layers, config.text.num_layers)
+
+
+def _size_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    return {**hf, **_towers(hf, source)}  # the towers' sizes named text_config.hidden_size...
+
+
+#: HF CLIP (``CLIPModel``) -> ``CLIP``
+CLIP_HF = HFMapping(model_type="clip", name="CLIP", config_fields=config_from_hf,
+                    layer_counts=_layer_counts, key_map=_key_map, normalise=_convert,
+                    size_fields=_size_fields)

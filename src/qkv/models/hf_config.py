@@ -25,7 +25,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from .hub import NORM_EPS_RANGE, CheckpointError, check_norm_eps
+from ..files import CheckpointError
+from .config import NORM_EPS_RANGE, check_norm_eps
 
 __all__ = ["BERT_FIELDS", "CLIP_ACTIVATIONS", "CLIP_FIELDS", "CLIP_TEXT_FIELDS",
            "CLIP_VISION_FIELDS", "GPT2_FIELDS", "HF_ACTIVATIONS", "VIT_FIELDS", "Check",

@@ -1,4 +1,5 @@
-"""HuggingFace GPT-2 checkpoints -> ``qkv.models.gpt.GPT``: config and weight conversion.
+"""HuggingFace GPT-2 checkpoints -> ``qkv.models.gpt.GPT``: the ``GPT2`` mapping
+(``hf_load.HFMapping``): config fields, key map and the state conversion.
 
 Shapes: V vocab size, C model width, F feed-forward width, P positions (n_positions),
 L layers.
@@ -9,30 +10,27 @@ query/key/value projection with output columns ordered q, k, v — the row order
 ``in_proj``. Keys may carry the ``transformer.`` prefix (``GPT2LMHeadModel``) or not
 (``GPT2Model``); ``lm_head.weight`` is tied to ``wte`` (and usually absent from the file).
 The non-persistent causal-mask buffers ``attn.bias`` / ``attn.masked_bias`` of old
-checkpoints are ignored. Anything else that does not map is reported, never dropped.
+checkpoints are ignored. Anything else that does not map is reported (in qkv's names, by
+``check_and_load``), never dropped. This module reads ``GPTConfig`` (``gpt_config``), never
+the model.
 """
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 
+from ..files import CheckpointError
+from .gpt_config import GPTConfig
 from .hf_config import GPT2_FIELDS, HF_ACTIVATIONS, audit_hf_config
-from .hf_state import layer_field
-from .hub import (
-    CheckpointError,
-    CheckpointWeights,
-    check_against_header,
-    check_and_load,
-    check_layer_counts,
-    read_json,
-    same_values,
-)
+from .hf_load import HFMapping, make_config
+from .hf_state import KeyMap, layer_field, rename_hf_state
+from .weights import same_values
 
-__all__ = ["LAYER_KEY", "config_from_hf", "convert_hf_state_dict", "load_hf_gpt2"]
+__all__ = ["GPT2", "LAYER_KEY", "config_fields", "config_from_hf", "convert_hf_state_dict",
+           "gpt2_key_map"]
 
 #: the layer index in the names of HF GPT-2's block tensors (n_layer counts them)
 LAYER_KEY = r"(?:transformer\.)?h\.(\d+)\."
@@ -65,8 +63,8 @@ _DEFAULTS = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer":
              "tie_word_embeddings": True}
 
 
-def config_from_hf(data: dict[str, Any], source: str = "HF GPT-2 config"):
-    """A ``GPTConfig`` from the dict of an HF GPT-2 config.json (model_type "gpt2").
+def config_fields(data: dict[str, Any], source: str = "HF GPT-2 config") -> dict[str, Any]:
+    """``GPTConfig`` fields from the dict of an HF GPT-2 config.json (model_type "gpt2").
 
     Every field is classified in ``qkv.models.hf_config.GPT2_FIELDS`` (``audit_hf_config``):
     maps n_embd, n_layer, n_head, n_positions (or their aliases hidden_size,
@@ -77,8 +75,6 @@ def config_from_hf(data: dict[str, Any], source: str = "HF GPT-2 config"):
     compute (cross-attention, unscaled or per-layer-scaled attention, an unknown
     activation...); warns for fields it does not know.
     """
-    from .gpt import GPTConfig
-
     if data.get("model_type") != "gpt2":
         raise CheckpointError(f"{source}: not an HF GPT-2 config: model_type "
                               f"{data.get('model_type')!r} (expected 'gpt2')")
@@ -93,7 +89,7 @@ def config_from_hf(data: dict[str, Any], source: str = "HF GPT-2 config"):
             hf[name] = hf.pop(alias)
     hf = {**_DEFAULTS, **hf}
     try:
-        return GPTConfig(
+        return dict(
             vocab_size=hf["vocab_size"], max_len=hf["n_positions"], dim=hf["n_embd"],
             num_layers=hf["n_layer"], num_heads=hf["n_head"], ffn_hidden=hf["n_inner"],
             activation=HF_ACTIVATIONS[hf["activation_function"]],
@@ -104,8 +100,52 @@ def config_from_hf(data: dict[str, Any], source: str = "HF GPT-2 config"):
         raise CheckpointError(f"{source}: not a valid GPT-2 config: {err}") from err
 
 
-def convert_hf_state_dict(state: dict[str, Tensor], config) -> dict[str, Tensor]:
-    """HF GPT-2 tensors (``GPT2LMHeadModel`` or ``GPT2Model`` keys) -> qkv ``GPT`` keys.
+def config_from_hf(data: dict[str, Any], source: str = "HF GPT-2 config",
+                   config_class: type = GPTConfig) -> Any:
+    """A ``config_class`` (``GPTConfig``) from the dict of an HF GPT-2 config.json: the
+    fields of ``config_fields`` (which lists what is read, refused and warned about).
+    Raises ``CheckpointError`` for a config qkv cannot read or an invalid one."""
+    return make_config(config_class, config_fields(data, source), source, "GPT-2")
+
+
+def gpt2_key_map(config: Any) -> KeyMap:
+    """qkv ``GPT`` keys -> HF GPT-2 keys (without "transformer."); with tied embeddings
+    ``lm_head.weight`` reads ``wte.weight``."""
+    m: KeyMap = {ours: theirs for theirs, ours in _TOP_MAP.items()}
+    for i in range(config.num_layers):
+        for theirs, (ours, _) in _LAYER_MAP.items():
+            m[f"layers.{i}.{ours}"] = f"h.{i}.{theirs}"
+    m["lm_head.weight"] = "wte.weight" if config.tie_embeddings else "lm_head.weight"
+    return m
+
+
+def _normalise(state: dict[str, Tensor], tied: bool) -> dict[str, Tensor]:
+    """HF names without "transformer.", the causal-mask buffers dropped, Conv1D weights
+    transposed to (out, in) (views, no copy); with ``tied`` an ``lm_head.weight`` equal to
+    ``wte.weight`` is dropped (one that differs is refused)."""
+    out: dict[str, Tensor] = {}
+    for key, t in state.items():
+        k = key.removeprefix("transformer.")
+        if _IGNORED.fullmatch(k):
+            continue
+        if k == "lm_head.weight" and tied:
+            wte = state.get("transformer.wte.weight", state.get("wte.weight"))
+            if wte is not None and not same_values(wte, t):
+                raise CheckpointError("HF GPT-2 checkpoint: lm_head.weight differs from "
+                                      "wte.weight but config tie_word_embeddings=True; "
+                                      "set tie_word_embeddings to false in config.json "
+                                      "to load the separate output embedding")
+            continue
+        m = _LAYER_KEY.fullmatch(k)
+        if m and m.group(2) in _LAYER_MAP and _LAYER_MAP[m.group(2)][1] and t.dim() == 2:
+            t = t.t()  # Conv1D (in, out) -> Linear (out, in)
+        out[k] = t
+    return out
+
+
+def convert_hf_state_dict(state: dict[str, Tensor], config: Any) -> dict[str, Tensor]:
+    """HF GPT-2 tensors (``GPT2LMHeadModel`` or ``GPT2Model`` keys) -> qkv ``GPT`` keys (the
+    ``GPT2`` mapping's normalisation and key map, unchecked).
 
     Conv1D weights (in, out) are transposed to (out, in) (views, no copy). Keys that do not
     map keep their name, so ``check_and_load`` reports them as unexpected; with tied
@@ -116,55 +156,20 @@ def convert_hf_state_dict(state: dict[str, Tensor], config) -> dict[str, Tensor]
         ``lm_head.weight`` that differs from ``wte.weight`` (transformers 5 then keeps the
         two apart; qkv would silently use ``wte``).
     """
-    out: dict[str, Tensor] = {}
-    for key, t in state.items():
-        k = key.removeprefix("transformer.")
-        if _IGNORED.fullmatch(k):
-            continue
-        if k == "lm_head.weight":
-            if not config.tie_embeddings:
-                out["lm_head.weight"] = t
-            else:
-                wte = state.get("transformer.wte.weight", state.get("wte.weight"))
-                if wte is not None and not same_values(wte, t):
-                    raise CheckpointError("HF GPT-2 checkpoint: lm_head.weight differs from "
-                                          "wte.weight but config tie_word_embeddings=True; "
-                                          "set tie_word_embeddings to false in config.json "
-                                          "to load the separate output embedding")
-            continue
-        if k in _TOP_MAP:
-            out[_TOP_MAP[k]] = t
-            continue
-        m = _LAYER_KEY.fullmatch(k)
-        if m and m.group(2) in _LAYER_MAP:
-            name, transpose = _LAYER_MAP[m.group(2)]
-            out[f"layers.{m.group(1)}.{name}"] = t.t() if transpose and t.dim() == 2 else t
-            continue
-        out[key] = t  # unknown: reported by check_and_load
-    if config.tie_embeddings and "embed.weight" in out:
-        out["lm_head.weight"] = out["embed.weight"]
-    return out
+    return rename_hf_state(None, gpt2_key_map(config),
+                           _normalise(state, bool(config.tie_embeddings)))
 
 
-def load_hf_gpt2(cls, directory: Path, *, allow_pickle: bool = False, **kwargs: Any):
-    """``cls.from_hf``: read config.json and the weights of an HF GPT-2 directory (single or
-    sharded safetensors: ``hub.CheckpointWeights``), check n_layer and then every key, shape
-    and dtype against the files' headers before building the model
-    (``hub.check_against_header``), convert and load (``CheckpointError``, nothing loaded
-    half-way); eval mode."""
-    directory = Path(directory)
-    hf = read_json(directory / "config.json")
-    config = config_from_hf(hf, str(directory))
-    weights = CheckpointWeights(directory, allow_pickle=allow_pickle)
-    check_layer_counts(weights, [(layer_field(hf, "n_layer", "num_hidden_layers"),
-                                  config.num_layers, LAYER_KEY)], f"{directory / 'config.json'}")
+def _layer_counts(hf: dict[str, Any], fields: dict[str, Any], source: str) -> list:
+    return [(layer_field(hf, "n_layer", "num_hidden_layers"), fields["num_layers"], LAYER_KEY)]
 
-    def build(state: dict[str, Tensor], **kw: Any):
-        model = cls(config, **kw)
-        converted = convert_hf_state_dict(state, config)
-        check_and_load(model, converted, f"HF GPT-2 checkpoint {directory} (keys as renamed "
-                                         f"to qkv's)")
-        return model
 
-    check_against_header(build, weights, hf, **kwargs)  # before any allocation
-    return build(weights.load(), **kwargs).eval()
+def _normalise_hf(state: dict[str, Tensor], hf: dict[str, Any], source: str):
+    return _normalise(state, bool(hf.get("tie_word_embeddings",
+                                         _DEFAULTS["tie_word_embeddings"])))
+
+
+#: HF GPT-2 (``GPT2LMHeadModel`` / ``GPT2Model``) -> ``GPT``; errors name qkv's keys
+GPT2 = HFMapping(model_type="gpt2", name="GPT-2", config_fields=config_fields,
+                 layer_counts=_layer_counts, key_map=gpt2_key_map, normalise=_normalise_hf,
+                 map_state=rename_hf_state)

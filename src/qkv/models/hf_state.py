@@ -1,7 +1,7 @@
 """HuggingFace state dicts -> qkv state dicts by a key map: the one place where HF's separate
 query/key/value tensors are fused and where a checkpoint that does not match its config is
-reported (missing, unknown and mis-shaped keys, in HF's names). Used by ``hf_bert``,
-``hf_vit`` and ``hf_clip``.
+reported (missing, unknown and mis-shaped keys, in HF's names: ``map_hf_state``; or in qkv's,
+by ``check_and_load`` after ``rename_hf_state``). Used by every HF mapping (``hf_load``).
 
 Shapes: C model width; HF's q/k/v (C, ...) each -> qkv's fused ``in_proj`` (3C, ...), rows
 q, k, v.
@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .hub import CheckpointError
+from ..files import CheckpointError
 
-__all__ = ["KeyMap", "layer_field", "map_hf_state"]
+__all__ = ["KeyMap", "layer_field", "map_hf_state", "rename_hf_state"]
 
 KeyMap = dict[str, "str | tuple[str, ...]"]
 """qkv state-dict key -> an HF key, or a tuple of HF keys concatenated along dim 0."""
@@ -81,3 +81,25 @@ def map_hf_state(own: dict[str, Tensor], key_map: KeyMap, state: dict[str, Tenso
         err.shape_pairs = tuple(pairs)
         raise err
     return mapped
+
+
+def rename_hf_state(own: dict[str, Tensor] | None, key_map: KeyMap, state: dict[str, Tensor],
+                    source: str = "", what: str = "") -> dict[str, Tensor]:
+    """HF tensors -> qkv keys by ``key_map`` without checking (``check_and_load`` then reports
+    what does not fit, in qkv's names): each qkv key whose HF keys are all present gets them
+    (a tuple concatenated along dim 0, rows q, k, v); an HF key no entry uses keeps its name
+    (reported as unexpected), a qkv key whose HF keys are absent is left out (reported as
+    missing). ``own``, ``source`` and ``what`` are accepted for ``map_hf_state``'s signature
+    and not used. Several qkv keys may read one HF key (a tied LM head)."""
+    out: dict[str, Tensor] = {}
+    used: set[str] = set()
+    for key, hf in key_map.items():
+        names = hf if isinstance(hf, tuple) else (hf,)
+        if all(n in state for n in names):
+            parts = [state[n] for n in names]
+            out[key] = parts[0] if len(parts) == 1 else torch.cat(parts)  # rows q, k, v
+            used.update(names)
+    for name, t in state.items():
+        if name not in used:
+            out.setdefault(name, t)
+    return out

@@ -1,37 +1,28 @@
-"""HuggingFace ViT checkpoints -> ``qkv.models.vit.ViT``: config and weight conversion, and
-the HF-name mapping shared with ``hf_clip``.
+"""HuggingFace ViT checkpoints -> ``qkv.models.vit.ViT``: the ``VIT_HF`` mapping (config
+fields, key map, state conversion), and the HF-name mapping shared with ``hf_clip``.
 
 Shapes: C model width, Cin channels, P patch size, T = 1 + G·G positions, K classes.
 HF keeps separate query/key/value projections (C, C) and (C,); qkv's ``in_proj`` fuses
 them into (3C, C) / (3C,), rows q, k, v. HF's cls_token (1, 1, C) and position_embeddings
 (1, T, C) become qkv's (C,) and (T, C). Keys may carry the "vit." prefix
 (``ViTForImageClassification``) or not (``ViTModel``). The config fields are classified in
-``qkv.models.hf_config.VIT_FIELDS``. This module does not import ``vit`` (``ViT.from_hf``
-calls it), so there is no import circle.
+``qkv.models.hf_config.VIT_FIELDS``. ``hf_load.load_hf`` runs the mapping
+(``ViT.from_hf``); this module never imports the model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 
+from ..files import CheckpointError
 from .hf_config import HF_ACTIVATIONS, VIT_FIELDS, audit_hf_config
-from .hf_state import KeyMap, layer_field, map_hf_state
-from .hub import (
-    CONFIG_NAME,
-    CheckpointError,
-    CheckpointWeights,
-    check_against_header,
-    check_and_load,
-    check_layer_counts,
-    read_json,
-)
+from .hf_load import HFMapping
+from .hf_state import KeyMap, layer_field
 
-__all__ = ["LAYER_KEY", "config_from_hf", "convert_hf_state", "layer_key_map", "load_hf_vit",
-           "map_hf_state", "square", "vit_key_map"]
+__all__ = ["LAYER_KEY", "VIT_HF", "config_from_hf", "convert_hf_state", "layer_key_map",
+           "square", "vit_key_map"]
 
 #: the layer index in the names of HF ViT's encoder tensors (num_hidden_layers counts them)
 LAYER_KEY = r"(?:vit\.)?encoder\.layer\.(\d+)\."
@@ -134,34 +125,29 @@ def convert_hf_state(state: dict[str, Tensor], num_layers: int, dim: int, source
     return out
 
 
-def load_hf_vit(cls: Callable, directory: Path, *, allow_pickle: bool = False,
-                **kwargs: Any):
-    """``cls`` (``ViT``) from a local HF ViT directory; see ``ViT.from_hf``."""
-    from .vit import ViTConfig
+def _layer_counts(hf: dict[str, Any], fields: dict[str, Any], source: str) -> list:
+    return [(layer_field(hf, "num_hidden_layers"), fields["num_layers"], LAYER_KEY)]
 
-    hf = read_json(directory / CONFIG_NAME)
-    source = str(directory)
-    fields = config_from_hf(hf, source)  # refuses unsupported options before reading
-    weights = CheckpointWeights(directory, allow_pickle=allow_pickle)
-    check_layer_counts(weights, [(layer_field(hf, "num_hidden_layers"), fields["num_layers"],
-                                  LAYER_KEY)], f"{directory / CONFIG_NAME}")
 
-    def build(state: dict[str, Tensor], **kw: Any):
-        state = convert_hf_state(state, fields["num_layers"], fields["dim"], source,
-                                 qkv_bias=hf.get("qkv_bias", True) is not False)
-        head = state.get("classifier.weight")
-        try:
-            config = ViTConfig(**fields, with_pooler="pooler.dense.weight" in state,
-                               num_classes=0 if head is None else int(head.shape[0]))
-        except (TypeError, ValueError) as err:
-            raise CheckpointError(f"{source}: config.json is not a valid ViT config: "
-                                  f"{err}") from err
-        model = cls(config, **kw)
-        own = model.state_dict()
-        key_map = vit_key_map(config.num_layers, pooler=config.with_pooler,
-                              head=config.num_classes > 0)
-        check_and_load(model, map_hf_state(own, key_map, state, source, "ViT"), source)
-        return model
+def _normalise(state: dict[str, Tensor], hf: dict[str, Any], source: str):
+    fields = {**_HF_DEFAULTS, **hf}
+    return convert_hf_state(state, fields["num_hidden_layers"], fields["hidden_size"], source,
+                            qkv_bias=hf.get("qkv_bias", True) is not False)
 
-    check_against_header(build, weights, hf, **kwargs)  # names, shapes, dtypes: no allocation
-    return build(weights.load(), **kwargs).eval()  # as transformers: loaded models start in eval
+
+def _heads(state: dict[str, Tensor]) -> dict[str, Any]:
+    """The heads a checkpoint holds: the pooler, and the classifier (its class count)."""
+    head = state.get("classifier.weight")
+    return {"with_pooler": "pooler.dense.weight" in state,
+            "num_classes": 0 if head is None else int(head.shape[0])}
+
+
+def _key_map(config: Any) -> KeyMap:
+    return vit_key_map(config.num_layers, pooler=config.with_pooler,
+                       head=config.num_classes > 0)
+
+
+#: HF ViT (``ViTModel``, ``ViTForImageClassification``) -> ``ViT``
+VIT_HF = HFMapping(model_type="vit", name="ViT", config_fields=config_from_hf,
+                   layer_counts=_layer_counts, key_map=_key_map, normalise=_normalise,
+                   state_fields=_heads)

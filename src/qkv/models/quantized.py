@@ -1,8 +1,15 @@
-"""``qkv.quantize(model, "int8")``: every linear layer and the LM head of a qkv GPT,
-encoder-decoder Transformer or BERT becomes an int8 ``qkv.modules.quantized.QuantizedLinear``
-(the int8 math and its error bound are in that module's docstring); and the files of a
-quantized model: ``save_pretrained`` adds ``quantization.json`` beside config.json and
-model.safetensors, ``from_pretrained`` of such a directory gives the quantized model back.
+"""``qkv.quantize(model, "int8")``: every linear layer and the LM head of a quantizable qkv
+model (``quantizable = True`` on its class: GPT, the encoder-decoder Transformer, BERT)
+becomes an int8 ``qkv.modules.quantized.QuantizedLinear`` (the int8 math and its error bound
+are in that module's docstring); and the files of a quantized model: ``save_pretrained`` adds
+``quantization.json`` beside config.json and model.safetensors; loading such a directory
+(``qkv.models.loading.load_qkv_directory``, which every ``from_pretrained`` runs) swaps in
+empty int8 layers as the file says (``prepare_quantized``) before the state is loaded.
+
+This module knows no model class: a model says it can be quantized with the class attribute
+``quantizable``, and names a head whose decoder is another module's weight (BERT's masked-LM
+head, tied to the word embeddings) in ``tied_heads`` (docs/ARCHITECTURE.md: The model
+registry).
 
 Shapes: B batch, N length, C model width, V vocab size.
 
@@ -28,26 +35,23 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..files import QUANT_NAME, CheckpointError, read_json
 from ..modules.feedforward import ACTIVATIONS
 from ..modules.quantized import QuantizedLinear
-from .bert import BERT, MLMHead
-from .gpt import GPT
-from .hub import (
-    QUANT_NAME,
-    CheckpointError,
-    CheckpointWeights,
-    check_against_header,
-    check_and_load,
-    read_json,
-)
-from .transformer import Transformer
 
-__all__ = ["QUANT_NAME", "QuantizedMLMHead", "is_quantized", "load_quantized_directory",
-           "quantization_info", "quantize"]
+__all__ = ["QUANT_NAME", "QuantizedMLMHead", "check_quantized_state", "is_quantizable",
+           "is_quantized", "prepare_quantized", "quantization_info", "quantize"]
 
 MODES = ("int8",)
 FORMAT = "qkv-int8"  # quant_method in quantization.json
-MODELS = (GPT, Transformer, BERT)
+#: what the refusals name: the qkv models whose class sets ``quantizable = True``
+QUANTIZABLE = "GPT, Transformer or BERT"
+
+
+def is_quantizable(model_class: Any) -> bool:
+    """Whether ``qkv.quantize`` handles models of ``model_class`` (its ``quantizable``
+    class attribute is True)."""
+    return getattr(model_class, "quantizable", False) is True
 
 
 class QuantizedMLMHead(nn.Module):
@@ -55,10 +59,13 @@ class QuantizedMLMHead(nn.Module):
     embedding table (V, C) quantized on its own (the embeddings stay fp32) with the head's
     bias. (B, N, C) -> (B, N, V); ``word_weight`` is accepted and ignored.
 
+    ``head``: any module with BERT's MLM head's parts: ``dense`` (an ``nn.Linear`` C -> C),
+    ``activation`` (a key of ``ACTIVATIONS``), ``norm`` and ``bias`` (V,).
+
     ``word_weight=None`` builds empty int8 layers shaped like ``head`` (to load a saved
     state into)."""
 
-    def __init__(self, head: MLMHead, word_weight: Tensor | None) -> None:
+    def __init__(self, head: nn.Module, word_weight: Tensor | None) -> None:
         super().__init__()
         self.activation = head.activation
         self.norm = head.norm
@@ -86,8 +93,8 @@ def is_quantized(model: nn.Module) -> bool:
 def _check_model(model: Any, mode: Any) -> None:
     if mode not in MODES:
         raise ValueError(f"quantize: mode must be one of {list(MODES)}, got {mode!r}")
-    if not isinstance(model, MODELS):
-        raise TypeError(f"quantize: model must be a qkv GPT, Transformer or BERT, got "
+    if not is_quantizable(type(model)):
+        raise TypeError(f"quantize: model must be a qkv {QUANTIZABLE}, got "
                         f"{type(model).__name__}")
     if is_quantized(model):
         raise ValueError(f"quantize: this {type(model).__name__} is already quantized "
@@ -120,29 +127,39 @@ def _check_model(model: Any, mode: Any) -> None:
 _PROJECTIONS = ("in_proj", "q_proj", "kv_proj", "out_proj", "fc_in", "fc_out", "lm_head")
 
 
-def _replace_linears(module: nn.Module, prefix: str, done: list[str], exact: bool) -> None:
+def _replace_linears(module: nn.Module, prefix: str, done: list[str], exact: bool,
+                     skip: frozenset[str]) -> None:
     for name, child in list(module.named_children()):
         path = f"{prefix}{name}"
+        if path in skip:
+            continue  # a tied head: replaced by the caller (its decoder is another weight)
         if type(child) is nn.Linear:
             setattr(module, name, QuantizedLinear.from_linear(child) if exact else
                     QuantizedLinear.empty(child.out_features, child.in_features,
                                           bias=child.bias is not None))
             done.append(path)
-        elif isinstance(child, MLMHead):
-            continue  # replaced by the caller (its decoder is the word-embedding table)
         else:
-            _replace_linears(child, f"{path}.", done, exact)
+            _replace_linears(child, f"{path}.", done, exact, skip)
+
+
+def _tied_heads(model: nn.Module) -> dict[str, str]:
+    """The model's ``tied_heads`` it holds: head attribute -> the module whose (V, C) weight
+    is the head's decoder (BERT: {"mlm": "word_embeddings"}); heads set to None are left
+    out."""
+    heads = getattr(model, "tied_heads", {}) or {}
+    return {h: w for h, w in heads.items() if getattr(model, h, None) is not None}
 
 
 def _convert(model: nn.Module, mode: str, *, exact: bool) -> nn.Module:
     """Swap the int8 layers in; ``exact=False``: empty ones (a saved state is loaded next)."""
     done: list[str] = []
+    heads = _tied_heads(model)
     with torch.no_grad():
-        _replace_linears(model, "", done, exact)
-        if isinstance(model, BERT) and model.mlm is not None:
-            model.mlm = QuantizedMLMHead(model.mlm,
-                                         model.word_embeddings.weight if exact else None)
-            done += ["mlm.dense", "mlm.decoder"]
+        _replace_linears(model, "", done, exact, frozenset(heads))
+        for head, source in heads.items():
+            word = getattr(model, source).weight if exact else None
+            setattr(model, head, QuantizedMLMHead(getattr(model, head), word))
+            done += [f"{head}.dense", f"{head}.decoder"]
     for p in model.parameters():
         p.requires_grad_(False)
     model.quantization = {"quant_method": FORMAT, "mode": mode, "modules": done}
@@ -153,13 +170,14 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
     """Quantize every linear layer and the LM head of ``model`` to int8, in place.
 
     Args:
-        model: a qkv ``GPT``, ``Transformer`` or ``BERT`` in fp32 on the CPU (LoRA adapters
-            merged first). Every ``nn.Linear`` — fused QKV / cross-attention projections,
-            feed-forward layers, output projections, the LM head, BERT's pooler and MLM
-            dense — becomes a ``QuantizedLinear``; BERT's MLM decoder (the word-embedding
-            table) gets an int8 copy (``QuantizedMLMHead``). Embeddings, norms and position
-            tables stay fp32 (a tied LM head is quantized apart from the embedding it shares
-            weights with, so the embeddings are untouched).
+        model: a qkv ``GPT``, ``Transformer`` or ``BERT`` (a class with ``quantizable =
+            True``) in fp32 on the CPU (LoRA adapters merged first). Every ``nn.Linear`` —
+            fused QKV / cross-attention projections, feed-forward layers, output
+            projections, the LM head, BERT's pooler and MLM dense — becomes a
+            ``QuantizedLinear``; BERT's MLM decoder (the word-embedding table) gets an int8
+            copy (``QuantizedMLMHead``). Embeddings, norms and position tables stay fp32 (a
+            tied LM head is quantized apart from the embedding it shares weights with, so
+            the embeddings are untouched).
         mode: "int8" (per-output-channel weight scales, per-row dynamic activation scales;
             the math is in ``qkv.modules.quantized``).
 
@@ -189,43 +207,32 @@ def quantization_info(directory: str | os.PathLike) -> dict | None:
     return info
 
 
-def load_quantized_directory(model_class: type, directory: str | os.PathLike, config: Any,
-                             info: dict, *, weights: CheckpointWeights | None = None,
-                             **kwargs: Any) -> nn.Module:
-    """Build ``model_class(config, **kwargs)``, swap in empty int8 layers as ``info``
-    (quantization.json) says, and load ``directory``'s state (``weights``: its
-    ``CheckpointWeights``, read here when not given); the model in eval mode. Everything is
-    first checked on a meta-device probe against the files' headers
-    (``hub.check_against_header``): nothing is allocated for a state that does not fit.
-
-    Raises ``CheckpointError`` when the state does not match: names, shapes, an int8 weight
-    stored in another dtype, or int8 layers at other places than the file lists."""
+def prepare_quantized(model: nn.Module, info: dict, directory: str | os.PathLike) -> nn.Module:
+    """The loader's quantization step: swap empty int8 layers into a freshly built ``model``
+    as ``info`` (``quantization_info(directory)``) says, so that the saved int8 state loads
+    into it. Raises ``CheckpointError`` when the model's class is not quantizable or the int8
+    layers would sit at other places than the file lists."""
     directory = Path(directory)
-    if model_class not in MODELS:
-        raise CheckpointError(f"{directory}: {model_class.__name__} cannot be quantized "
-                              f"(GPT, Transformer or BERT)")
-    if weights is None:
-        weights = CheckpointWeights(directory)
+    if not is_quantizable(type(model)):
+        raise CheckpointError(f"{directory}: {type(model).__name__} cannot be quantized "
+                              f"({QUANTIZABLE})")
+    _convert(model, info["mode"], exact=False)
+    listed = info.get("modules")
+    have = sorted(model.quantization["modules"])
+    if listed is not None and sorted(listed) != have:
+        raise CheckpointError(f"{directory / QUANT_NAME}: int8 modules "
+                              f"{sorted(listed)[:10]} differ from the model's {have[:10]}")
+    return model
 
-    def build(state: dict[str, Tensor], **kw: Any) -> nn.Module:
-        model = model_class(config, **kw)
-        _convert(model, info["mode"], exact=False)
-        listed = info.get("modules")
-        if listed is not None and sorted(listed) != sorted(model.quantization["modules"]):
-            have = sorted(model.quantization["modules"])
-            raise CheckpointError(f"{directory / QUANT_NAME}: int8 modules "
-                                  f"{sorted(listed)[:10]} differ from the model's {have[:10]}")
-        own = model.state_dict()
-        for key in model.tied_keys:  # a tied embedding the file leaves out
-            if key in own:
-                state.setdefault(key, own[key])
-        bad = [f"{k}: {state[k].dtype} vs {own[k].dtype}" for k in sorted(set(state) & set(own))
-               if state[k].dtype != own[k].dtype]
-        if bad:
-            raise CheckpointError(f"{directory} does not match the quantized model: dtypes "
-                                  + "; ".join(bad[:10]))
-        check_and_load(model, state, str(directory))
-        return model
 
-    check_against_header(build, weights, config.to_dict(), **kwargs)
-    return build(weights.load(), **kwargs).eval()
+def check_quantized_state(model: nn.Module, state: dict[str, Tensor],
+                          directory: str | os.PathLike) -> None:
+    """Refuse (``CheckpointError``) a state whose tensors have other dtypes than the quantized
+    ``model``'s (an int8 weight stored as a float would be cast, not loaded as it was
+    saved)."""
+    own = model.state_dict()
+    bad = [f"{k}: {state[k].dtype} vs {own[k].dtype}" for k in sorted(set(state) & set(own))
+           if state[k].dtype != own[k].dtype]
+    if bad:
+        raise CheckpointError(f"{directory} does not match the quantized model: dtypes "
+                              + "; ".join(bad[:10]))

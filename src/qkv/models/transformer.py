@@ -120,6 +120,8 @@ class Transformer(PretrainedMixin, nn.Module):
     #: keys that may be tied (``from_pretrained`` fills those the file lacks from the tie);
     #: each instance narrows this to the keys tied under its config.
     tied_keys = ("tgt_embed.weight", "lm_head.weight")
+    #: ``qkv.quantize`` turns its linear layers to int8
+    quantizable = True
 
     def __init__(self, config: TransformerConfig, *, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:

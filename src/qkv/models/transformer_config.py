@@ -16,7 +16,7 @@ from torch import nn
 from ..modules.feedforward import ACTIVATIONS
 from ..modules.positions import Learned, Sinusoidal
 from ..modules.relative import ALiBi, ShawRelative, T5Bias
-from .hub import ModelConfig, check_norm_eps
+from .config import ModelConfig, check_norm_eps
 
 __all__ = ["ABSOLUTE_POSITIONS", "POSITIONS", "RELATIVE_POSITIONS", "PositionParts",
            "TransformerConfig", "build_positions", "embedding_scale"]

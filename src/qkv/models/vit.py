@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -39,7 +38,10 @@ from ..modules.layers import EncoderLayer, TokenRows
 from ..modules.linear_call import apply_linear
 from ..modules.norms import LayerNorm
 from ..ops.fast_linear import fast_linear
-from .hub import ModelConfig, PretrainedMixin, check_norm_eps
+from .config import ModelConfig, check_norm_eps
+from .hf_load import HFMapping, load_hf
+from .hf_vit import VIT_HF
+from .hub import PretrainedMixin
 
 __all__ = ["PatchEmbed", "ViT", "ViTConfig", "ViTOutput", "check_pixel_values",
            "interpolate_positions"]
@@ -282,6 +284,7 @@ class ViT(PretrainedMixin, nn.Module):
     """
 
     config_class: ClassVar[type[ModelConfig]] = ViTConfig
+    hf_mapping: ClassVar[HFMapping] = VIT_HF
 
     def __init__(self, config: ViTConfig, *, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
@@ -430,8 +433,7 @@ class ViT(PretrainedMixin, nn.Module):
         Every config.json field is classified in ``qkv.models.hf_config.VIT_FIELDS``; an
         option qkv does not compute raises ``CheckpointError`` naming it, an unknown field
         warns. ``qkv_bias: false`` loads zero query/key/value biases (the same outputs; they
-        are trainable parameters here). ``kwargs`` (device, dtype) go to the constructor.
+        are trainable parameters here). ``kwargs`` (device, dtype) go to the constructor (the
+        steps are ``qkv.models.hf_load.load_hf``'s, as for every HF architecture).
         """
-        from .hf_vit import load_hf_vit
-
-        return load_hf_vit(cls, Path(directory), allow_pickle=allow_pickle, **kwargs)
+        return load_hf(cls.hf_mapping, cls, directory, allow_pickle=allow_pickle, **kwargs)

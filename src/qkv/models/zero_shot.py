@@ -1,12 +1,20 @@
 """Zero-shot classification and image-text retrieval with a CLIP-style model.
 
-Shapes: K classes, M prompt templates, B images, Bt texts, E embedding width.
+Shapes: K classes, M prompts (templates) per class, B images, Bt texts, E embedding width.
 
 ``zero_shot_weights(model, tokenize, class_names, templates)`` encodes every
 "template.format(name)" prompt, L2-normalises each embedding, averages the M prompts of a
-class and renormalises (OpenAI's prompt ensembling) -> (K, E). ``zero_shot_classify``
-scores images against them (cosine similarity), ``topk_accuracy`` reads top-1 / top-5, and
-``retrieval_recall`` gives image->text and text->image recall@K of paired embeddings.
+class and renormalises (OpenAI's prompt ensembling) -> (K, E); ``prompt_weights(model,
+tokenize, prompts)`` does the same for prompts already written out (K lists of M).
+``zero_shot_classify`` scores images against them (cosine similarity), ``topk_accuracy``
+reads top-1 / top-5, and ``zero_shot_accuracy`` does all three for a batch of images.
+``retrieval_recall`` gives image->text and text->image recall@K of paired embeddings, and
+``chunked_contrastive_loss`` their symmetric InfoNCE in chunks (one process, no gather: an
+evaluation's loss).
+
+The model is any module with ``encode_text(input_ids, attention_mask)`` -> (n, E) and
+``encode_image(pixel_values)`` -> (B, E) (``qkv.models.CLIP``); turning text into ids is the
+caller's ``tokenize`` (e.g. ``qkv.data.clip_text.encode_texts``).
 """
 
 from __future__ import annotations
@@ -17,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["retrieval_recall", "topk_accuracy", "zero_shot_classify", "zero_shot_weights"]
+__all__ = ["chunked_contrastive_loss", "prompt_weights", "retrieval_recall", "topk_accuracy",
+           "zero_shot_accuracy", "zero_shot_classify", "zero_shot_weights"]
 
 Tokenize = Callable[[list[str]], "tuple[Tensor, Tensor | None] | Tensor"]
 
@@ -56,14 +65,112 @@ def zero_shot_weights(model, tokenize: Tokenize, class_names: Sequence[str],
     if not temps or not all(isinstance(t, str) and "{}" in t for t in temps):
         raise ValueError(f"zero_shot_weights: templates must be a non-empty list of strings "
                          f"each with one '{{}}', got {templates!r}")
-    prompts = [t.format(n) for n in names for t in temps]  # K·M, class-major
+    return prompt_weights(model, tokenize, [[t.format(n) for t in temps] for n in names],
+                          batch_size=batch_size)
+
+
+@torch.no_grad()
+def prompt_weights(model, tokenize: Tokenize, prompts: Sequence[Sequence[str]], *,
+                   batch_size: int = 256) -> Tensor:
+    """Class embeddings (K, E), unit rows, from prompts written out: ``prompts[k]`` the M
+    prompts of class k (the same M for every class).
+
+    Args:
+        model, tokenize, batch_size: as ``zero_shot_weights``.
+        prompts: K lists of M strings.
+
+    Returns:
+        (K, E): for each class, the mean of its M normalised prompt embeddings, renormalised.
+
+    Raises:
+        ValueError naming ``prompts`` when it is empty, holds a non-string, or its classes
+        have different numbers of prompts.
+    """
+    rows_in = [list(p) for p in prompts] if not isinstance(prompts, str) else []
+    m = len(rows_in[0]) if rows_in else 0
+    if (not rows_in or m == 0 or any(len(r) != m for r in rows_in)
+            or not all(isinstance(t, str) for r in rows_in for t in r)):
+        raise ValueError(f"prompt_weights: prompts must be K non-empty lists of M strings "
+                         f"each (the same M), got {prompts!r:.120}")
+    flat = [t for r in rows_in for t in r]  # K·M, class-major
     rows = []
-    for i in range(0, len(prompts), batch_size):
-        enc = tokenize(prompts[i:i + batch_size])
+    for i in range(0, len(flat), batch_size):
+        enc = tokenize(flat[i:i + batch_size])
         ids, mask = enc if isinstance(enc, tuple) else (enc, None)
         rows.append(F.normalize(model.encode_text(ids, mask).float(), dim=-1))  # (n, E)
-    emb = torch.cat(rows).view(len(names), len(temps), -1)  # (K, M, E)
+    emb = torch.cat(rows).view(len(rows_in), m, -1)  # (K, M, E)
     return F.normalize(emb.mean(dim=1), dim=-1)  # (K, E)
+
+
+@torch.no_grad()
+def zero_shot_accuracy(model, tokenize: Tokenize, prompts: Sequence[Sequence[str]],
+                       pixel_values: Tensor, labels: Tensor, *, batch_size: int = 256
+                       ) -> float:
+    """Top-1 accuracy of images classified among K classes by their prompt ensembles.
+
+    Args:
+        model, tokenize: as ``zero_shot_weights``.
+        prompts: K lists of M strings, ``prompts[k]`` the prompts of class k
+            (``prompt_weights``).
+        pixel_values: (B, 3, H, W), what ``model.encode_image`` reads (already normalised),
+            moved to the model's device ``batch_size`` images at a time.
+        labels: (B,) class indices in [0, K).
+        batch_size: prompts and images encoded per call.
+
+    Returns:
+        the fraction of images whose highest-scoring class (``zero_shot_classify``) is
+        their label.
+
+    Raises:
+        ValueError naming ``pixel_values`` / ``labels`` / ``prompts`` for bad shapes.
+    """
+    if not isinstance(pixel_values, Tensor) or pixel_values.dim() != 4 or not len(pixel_values):
+        got = (tuple(pixel_values.shape) if isinstance(pixel_values, Tensor)
+               else type(pixel_values).__name__)
+        raise ValueError(f"zero_shot_accuracy: pixel_values must be a tensor (B, 3, H, W) "
+                         f"with B >= 1, got {got}")
+    weights = prompt_weights(model, tokenize, prompts, batch_size=batch_size)  # (K, E)
+    images = torch.cat([model.encode_image(pixel_values[i:i + batch_size].to(weights.device))
+                        for i in range(0, len(pixel_values), batch_size)])  # (B, E)
+    scores = zero_shot_classify(images, weights)  # (B, K)
+    return topk_accuracy(scores, labels, ks=(1,))[1]
+
+
+def chunked_contrastive_loss(image_embeds: Tensor, text_embeds: Tensor,
+                             logit_scale: Tensor | float, *, chunk: int = 256) -> float:
+    """The symmetric InfoNCE of pairs (image i, text i), in chunks of ``chunk`` pairs (each
+    chunk's negatives are its own rows), averaged over the pairs: an evaluation's loss, in
+    one process (no gather, unlike ``qkv.models.clip_loss`` under torch.distributed).
+
+    Args:
+        image_embeds: (B, E). text_embeds: (B, E), row i the text of image i.
+        logit_scale: the multiplier s (already exponentiated).
+        chunk: pairs per chunk; the last chunk may be shorter.
+
+    Returns:
+        ``Σ_c |c| · (CE(s · Î_c T̂_cᵀ) + CE(s · T̂_c Î_cᵀ)) / 2 / B`` over the chunks c, in fp32.
+
+    Raises:
+        ValueError naming the argument: not (B, E) with B >= 1, different shapes, a bad
+        ``chunk``.
+    """
+    img = _check_embeds("chunked_contrastive_loss", "image_embeds", image_embeds)
+    txt = _check_embeds("chunked_contrastive_loss", "text_embeds", text_embeds)
+    if img.shape != txt.shape or img.shape[0] == 0:
+        raise ValueError(f"chunked_contrastive_loss: image_embeds {tuple(img.shape)} and "
+                         f"text_embeds {tuple(txt.shape)} must be the same (B, E), B >= 1")
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
+        raise ValueError(f"chunked_contrastive_loss: chunk must be a positive int, got "
+                         f"{chunk!r}")
+    total = 0.0
+    for i in range(0, len(img), chunk):
+        a = F.normalize(img[i:i + chunk].float(), dim=-1)  # (b, E)
+        t = F.normalize(txt[i:i + chunk].float(), dim=-1)  # (b, E)
+        logits = logit_scale * (a @ t.t())  # (b, b)
+        target = torch.arange(len(a), device=logits.device)
+        loss = (F.cross_entropy(logits, target) + F.cross_entropy(logits.t(), target)) / 2
+        total += float(loss) * len(a)
+    return total / len(img)
 
 
 def zero_shot_classify(image_embeds: Tensor, class_weights: Tensor) -> Tensor:

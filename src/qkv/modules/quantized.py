@@ -1,7 +1,7 @@
 """int8 linear layers: per-output-channel int8 weights, per-row dynamic int8 activations
 (``QuantizedLinear``), and the int8 math they run (``quantize_weight``, ``quantize_rows``,
 ``int8_linear``). ``qkv.quantize(model, "int8")`` (``qkv.models.quantized``) puts them into a
-model.
+model; loading a quantized directory (``qkv.models.loading``) builds empty ones to load into.
 
 Shapes: M rows (every leading dim of an input flattened), K input features, N output
 features (channels).

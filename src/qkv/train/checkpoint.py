@@ -25,6 +25,7 @@ the two renames, ``checkpoint.old``, which ``find_checkpoint`` falls back to. Ev
 the new checkpoint and its directory are fsynced before the renames, and the run directory
 after them, so a power cut cannot leave a renamed-in checkpoint whose files are still empty.
 Only one process writes a run directory at a time (``qkv.train.rundir.RunDirLock``).
+``find_checkpoint`` and the three directory names are ``qkv.train.layout``'s, named here too.
 """
 
 from __future__ import annotations
@@ -39,20 +40,21 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..files import atomic_write, read_json
-from ..models import CheckpointError
-from .kinds import get_kind, model_classes
+from ..files import CheckpointError, atomic_write, read_json
+from ..models import registry
+from .kinds import get_kind
+from .layout import CHECKPOINT_DIR, OLD_DIR, TMP_DIR, find_checkpoint
 
 __all__ = ["CHECKPOINT_DIR", "MODEL_CLASSES", "OLD_DIR", "TMP_DIR", "find_checkpoint", "load_run",
            "load_trainer_state", "read_run_info", "save_checkpoint", "trained_on_pairs"]
 
-CHECKPOINT_DIR = "checkpoint"
-TMP_DIR, OLD_DIR = "checkpoint.tmp", "checkpoint.old"
 _TMP, _OLD = TMP_DIR, OLD_DIR
 STATE_JSON, STATE_TENSORS = "trainer_state.json", "trainer_state.safetensors"
 
-#: config.json ``model_type`` -> model class, of every model kind (``qkv.train.kinds``)
-MODEL_CLASSES: dict[str, type[nn.Module]] = model_classes()
+#: config.json ``model_type`` -> model class, qkv's own and HF's: the one table of model types
+#: (``qkv.models.registry``), as a dict
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    t: registry.model_class(t) for t in registry.known_model_types()}
 
 
 def _fsync(path: Path) -> None:
@@ -148,29 +150,12 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model: nn.Module, tokenizer: 
     return final
 
 
-def find_checkpoint(path: str | os.PathLike) -> Path:
-    """The checkpoint directory of ``path``: ``path`` itself when it holds config.json (or
-    adapter_config.json: an adapter run's checkpoint), else ``path/checkpoint``, else
-    ``path/checkpoint.old`` (a save interrupted between its two renames). Raises
-    ``CheckpointError`` when there is none."""
-    path = Path(path)
-    for candidate in (path, path / CHECKPOINT_DIR, path / _OLD):
-        if (candidate / "config.json").is_file() or (
-                (candidate / "adapter_config.json").is_file()
-                and (candidate / "base.json").is_file()):
-            return candidate
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such run directory")
-    raise CheckpointError(f"{path}: not a qkv run directory (no config.json in it or in "
-                          f"{path / CHECKPOINT_DIR})")
-
-
 def load_run(path: str | os.PathLike) -> tuple[nn.Module, Any]:
     """Load a run directory (or a checkpoint directory) written by ``qkv train``.
 
     Returns:
         ``(model, tokenizer)``: the model (``Transformer``, ``GPT``, ``BERT`` or ``CLIP``,
-        chosen by config.json's ``model_type``: ``MODEL_CLASSES``) in eval mode, and the
+        chosen by config.json's ``model_type``: ``qkv.models.registry``) in eval mode, and the
         ``qkv.data`` tokenizer. A sharded checkpoint (``--fsdp``) is gathered whole on this
         process (``qkv.train.sharded_checkpoint.load_sharded_model``; no process group).
         For a run that trained an adapter (``TrainConfig.peft``):
@@ -192,13 +177,9 @@ def load_run(path: str | os.PathLike) -> tuple[nn.Module, Any]:
 
         model = load_sharded_model(ckpt)
     else:
-        model = None
-    model_type = read_json(ckpt / "config.json").get("model_type")
-    if model_type not in MODEL_CLASSES:
-        raise CheckpointError(f"{ckpt}: model_type {model_type!r} is not a qkv model "
-                              f"({sorted(MODEL_CLASSES)})")
-    if model is None:
-        model = MODEL_CLASSES[model_type].from_pretrained(ckpt)
+        config = ckpt / "config.json"
+        model = registry.model_class(read_json(config).get("model_type"),
+                                     source=str(config)).from_pretrained(ckpt)
     if not (ckpt / "tokenizer.json").is_file():
         raise CheckpointError(f"{ckpt}: tokenizer.json is missing")
     return model, read_tokenizer(ckpt / "tokenizer.json")

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import TMP_DIR
+from .layout import TMP_DIR
 from .distributed import World, broadcast_object
 from .rundir import RunDirBusyError, RunDirLock, never_saved, refuse_existing
 

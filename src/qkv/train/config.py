@@ -1,5 +1,6 @@
 """``TrainConfig``: every setting of a training run, stored as RUN/run.json so that
-``qkv train --resume RUN`` continues exactly the same run."""
+``qkv train --resume RUN`` continues exactly the same run. (``ConfigError``, which it raises
+naming the field, is defined in ``qkv.train.errors``.)"""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import dataclasses
 import math
 from typing import Any
 
+from .errors import ConfigError
 from .kinds import KINDS, get_kind
 from .schedules import SCHEDULES
 
@@ -27,14 +29,6 @@ _FLOAT_RANGES: tuple[tuple[str, float, float | None, bool, bool], ...] = (
     ("label_smoothing", 0.0, 1.0, False, True),
     ("clip_norm", 0.0, None, False, False),
 )
-
-
-class ConfigError(ValueError):
-    """A training setting out of range or of the wrong type; ``field`` names it."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
 
 
 def _is_int(value: Any) -> bool:

@@ -1,5 +1,7 @@
-"""Training data for ``qkv train``: where examples of the token kinds come from, and
-``make_batch``, which asks the model kind (``qkv.train.kinds``) to build a batch.
+"""Training data for ``qkv train``: where examples of the token kinds come from, the
+helpers their batches are built with (``pad_rows``, ``gpt_prompts``, ``IGNORE``), and the
+fingerprint of a data file (``file_fingerprint``). A batch is built by its model kind:
+``qkv.train.kinds.get_kind(name).make_batch(items, tokenizer, step=..., seed=...)``.
 
 Sources: an embedded generated task (``qkv.data.get_task``: dates, copy, reverse, sort,
 addition), a TSV file of source/target pairs, or a plain-text file (language models).
@@ -23,6 +25,8 @@ batches in ``kinds/clip.py``):
 
 from __future__ import annotations
 
+import hashlib
+import os
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -30,9 +34,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-#: (``MODEL_KINDS``, the registered kinds' names, is read from ``qkv.train.kinds`` on access)
-__all__ = ["IGNORE", "PairData", "TextData", "derived_seed", "epoch_indices", "gpt_prompts",
-           "make_batch", "pad_rows"]
+from ..data.order import derived_seed, epoch_indices  # re-exported: their home is data/
+
+__all__ = ["IGNORE", "PairData", "TextData", "derived_seed", "epoch_indices",
+           "file_fingerprint", "gpt_prompts", "pad_rows"]
 
 IGNORE = -100
 
@@ -117,26 +122,6 @@ class TextData:
         return self._windows(self.held, [i * self.window for i in range(n)])
 
 
-def derived_seed(seed: int, k: int) -> int:
-    """The generator seed of item ``k`` (an epoch, a step) of a run seeded ``seed``, wrapped
-    into torch's 64-bit seed range (unchanged for every seed where it did not overflow)."""
-    return (seed * 1_000_003 + k) % 2**64
-
-
-def epoch_indices(n: int, start: int, count: int, seed: int) -> list[int]:
-    """Items ``start .. start + count - 1`` of the concatenation of per-epoch permutations of
-    range(n), epoch e shuffled by a generator seeded with (seed, e)."""
-    out: list[int] = []
-    perms: dict[int, list[int]] = {}
-    for pos in range(start, start + count):
-        epoch, i = divmod(pos, n)
-        if epoch not in perms:
-            g = torch.Generator().manual_seed(derived_seed(seed, epoch))
-            perms[epoch] = torch.randperm(n, generator=g).tolist()
-        out.append(perms[epoch][i])
-    return out
-
-
 def gpt_prompts(sources: list[str], tokenizer: Any) -> list[list[int]]:
     """GPT prompts of pairs: bos + source + eos (the model continues with target + eos)."""
     return [[tokenizer.bos_id, *tokenizer.encode(s), tokenizer.eos_id] for s in sources]
@@ -148,31 +133,24 @@ def pad_rows(rows: list[list[int]], value: int) -> Tensor:
     return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
-def make_batch(kind: str, items: Any, tokenizer: Any, *, step: int = 0,
-               seed: int = 0) -> dict[str, Tensor]:
-    """Tensors of one batch for model kind ``kind`` (see the module docstring and
-    ``qkv.train.kinds``: ``get_kind(kind).make_batch``).
-
-    Args:
-        items: a list of (source, target) pairs, or (B, W + 1) token windows of a TextData
-            (for clip: images and captions, ``qkv.train.kinds.clip``).
-        step, seed: seed the MLM corruption (bert-mlm), so a batch depends only on them.
-
-    Returns:
-        transformer: src, tgt_in, tgt_out; gpt: ids, targets; bert-mlm: ids,
-        attention_mask, labels. Targets/labels use -100 for positions without a loss.
+def file_fingerprint(path: str | os.PathLike) -> dict[str, Any]:
+    """``{"size": bytes, "sha256": hex digest}`` of a file (read in 1 MiB blocks): what
+    run.json records of ``--data`` and base.json of a base's weights.
 
     Raises:
-        ValueError: an unknown ``kind``.
+        OSError: ``path`` cannot be opened or read (``FileNotFoundError``: it is missing).
+        DataError (``qkv.data.files``): ``path`` is not a regular file, checked before it is
+            opened (a device such as ``/dev/zero`` would be read forever, a FIFO would
+            block or be consumed).
     """
-    from .kinds import get_kind
+    from ..data.files import regular_file
 
-    return get_kind(kind).make_batch(items, tokenizer, step=step, seed=seed)
-
-
-def __getattr__(name: str) -> Any:
-    if name == "MODEL_KINDS":  # the registry's, read when asked (it imports this module)
-        from .kinds import MODEL_KINDS
-
-        return MODEL_KINDS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if os.path.exists(path):
+        regular_file(path)
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+            size += len(block)
+    return {"size": size, "sha256": digest.hexdigest()}

@@ -43,17 +43,16 @@ from typing import Any
 
 from torch import nn
 
-from ..files import QUANT_NAME, read_json
-from ..models import CheckpointError
-from .checkpoint import MODEL_CLASSES, find_checkpoint
-from .kinds import get_kind, kind_of_model, kind_of_model_type
+from ..files import QUANT_NAME, CheckpointError, read_json
+from ..models import registry
+from .layout import find_checkpoint
+from .data import file_fingerprint
+from .kinds import kind_of_model, kind_of_model_type
 from .memory import check_adapter_fits
-from .rundir import file_fingerprint
-from .setup import DEFAULT_TEXT_WINDOW, _data, _max_len, _read, trains_on_pairs
 
 __all__ = ["BASE_JSON", "PEFT_KINDS", "BaseModel", "attach_peft", "base_model_kind",
            "check_base", "config_sha256", "is_adapter_checkpoint", "load_adapter_run",
-           "load_base", "peft_config", "prepare_base_data", "prepare_token_base_data"]
+           "load_base", "peft_config"]
 
 BASE_JSON = "base.json"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -175,11 +174,8 @@ def _load_model(ckpt: Path) -> nn.Module:
     data = read_json(ckpt / "config.json")
     if "qkv_version" not in data:
         return from_hf(ckpt)
-    model_type = data.get("model_type")
-    if model_type not in MODEL_CLASSES:
-        raise CheckpointError(f"{ckpt}: model_type {model_type!r} is not a qkv model "
-                              f"({sorted(MODEL_CLASSES)})")
-    return MODEL_CLASSES[model_type].from_pretrained(ckpt)
+    cls = registry.model_class(data.get("model_type"), source=str(ckpt / "config.json"))
+    return cls.from_pretrained(ckpt)
 
 
 def _load_tokenizer(ckpt: Path) -> Any:
@@ -263,82 +259,12 @@ def load_base(init_from: str | os.PathLike, want: str) -> BaseModel:
     sha = file_fingerprint(ckpt / "model.safetensors")["sha256"]
     config_sha = config_sha256(ckpt)
     model = _load_model(ckpt)
-    kind = model_kind(model)
-    if kind != want:
+    kind = kind_of_model(model)
+    if kind.name != want:
         raise ValueError(f"--model {want} does not match the base {init_from}, a "
-                         f"{type(model).__name__} (--model {kind})")
-    get_kind(kind).check_base(model, init_from)
+                         f"{type(model).__name__} (--model {kind.name})")
+    kind.check_base(model, init_from)
     return BaseModel(model, _load_tokenizer(ckpt), ckpt, sha, config_sha)
-
-
-def _texts(config: Any, raw: Any) -> list[str]:
-    if config.task is not None:
-        from .data import PairData
-
-        return PairData(task=raw).texts(limit=2000)
-    if isinstance(raw, str):
-        return [raw]
-    return [t for pair in raw for t in pair]
-
-
-def _check_encodable(config: Any, raw: Any, tokenizer: Any, base: str) -> None:
-    """Refuse data holding text the base's tokenizer reads as <unk>."""
-    from ..data import CharTokenizer
-
-    what = f"--task {config.task}" if config.task is not None else f"--data {config.data}"
-    if isinstance(tokenizer, CharTokenizer):
-        chars = set(raw.alphabet()) if config.task is not None else {
-            c for t in _texts(config, raw) for c in t}
-        unknown = sorted(c for c in chars if tokenizer.encode(c) == [tokenizer.unk_id])
-        if unknown:
-            shown = "".join(unknown[:20]) + ("..." if len(unknown) > 20 else "")
-            raise ValueError(f"{what} holds {len(unknown)} character(s) the base's tokenizer "
-                             f"({base}) does not know: {shown!r}; fine-tuning keeps the base's "
-                             f"vocabulary, so its data must use only the base's characters")
-        return
-    for text in _texts(config, raw):
-        if tokenizer.unk_id in tokenizer.encode(text):
-            raise ValueError(f"{what}: the base's tokenizer ({base}) reads part of {text[:40]!r}"
-                             f" as <unk>; fine-tuning keeps the base's vocabulary")
-
-
-def prepare_base_data(config: Any, tokenizer: Any, base_max_len: int | None
-                      ) -> tuple[Any, int, int]:
-    """(data, the model's context length, the longest sequence of a step) of a run that
-    starts from a base with ``tokenizer`` and context length ``base_max_len`` — as
-    ``config.model``'s kind prepares it (``ModelKind.prepare_base_data``)."""
-    return get_kind(config.model).prepare_base_data(config, tokenizer, base_max_len)
-
-
-def prepare_token_base_data(config: Any, kind: Any, tokenizer: Any, base_max_len: int | None
-                            ) -> tuple[Any, int, int]:
-    """``prepare_base_data`` of a token kind (``qkv.train.kinds.TokenKind``).
-
-    ``config.max_len``, when given, must be at most the base's: for plain text it is the
-    window (default: the base's max_len, at most ``DEFAULT_TEXT_WINDOW``), for pairs a bound
-    the data must fit.
-
-    Raises:
-        ValueError: a character/token the tokenizer does not know, an example longer than
-            the base's max_len, ``max_len`` beyond the base's.
-    """
-    base = config.init_from
-    limit = base_max_len if base_max_len is not None else 10**9
-    if config.max_len is not None and config.max_len > limit:
-        raise ValueError(f"max_len={config.max_len} is beyond the base's max_len={limit} "
-                         f"({base}); the base fixes the context length")
-    raw, _ = _read(config, kind)
-    _check_encodable(config, raw, tokenizer, base)
-    if trains_on_pairs(config, kind):
-        need, _ = _max_len(dataclasses.replace(config, max_len=None), kind, raw, tokenizer)
-        if need > limit:
-            what = f"--task {config.task}" if config.task else f"--data {config.data}"
-            raise ValueError(f"{what}: the longest example needs {need} tokens with its "
-                             f"special tokens, beyond the base's max_len={limit} ({base})")
-        _max_len(config, kind, raw, tokenizer)  # a given max_len must hold the data too
-        return _data(config, kind, raw, tokenizer, None), limit, need
-    window = config.max_len or min(DEFAULT_TEXT_WINDOW, limit)
-    return _data(config, kind, raw, tokenizer, window), limit, window
 
 
 def check_base(ckpt: str | os.PathLike) -> dict[str, str]:

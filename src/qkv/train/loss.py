@@ -1,10 +1,15 @@
-"""The token objective shared by the token kinds (transformer, gpt, bert-mlm) in the
-training step and evaluation: the summed token cross-entropy of a batch and the number of
-predicted tokens, so that a mean over several batches (or processes) is exact. Each kind's
-``loss`` is in its own file (``qkv.train.kinds``); ``token_loss`` asks the kind for the
-logits and targets of a batch."""
+"""The token objective of the token kinds (transformer, gpt, bert-mlm) in the training step
+and evaluation: the summed token cross-entropy of a batch and the number of predicted
+tokens, so that a mean over several batches (or processes) is exact. Each kind's ``loss``
+is its own (``qkv.train.kinds``; gpt's never builds the (B, N, V) logits); ``token_loss``
+runs a kind's model to its logits and scores them here.
+
+Shapes: B batch, N sequence length, V vocabulary.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -24,9 +29,10 @@ def token_cross_entropy(logits: Tensor, target: Tensor, *, label_smoothing: floa
     return loss, (target != IGNORE).sum()
 
 
-def token_loss(kind: str, model: nn.Module, batch: dict[str, Tensor], *,
+def token_loss(kind: Any, model: nn.Module, batch: dict[str, Tensor], *,
                label_smoothing: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Run ``model`` on a ``make_batch`` batch of token model kind ``kind``.
+    """Run ``model`` on a batch of token model kind ``kind`` (the kind object, a
+    ``qkv.train.kinds.TokenKind``: ``kind.make_batch``'s batch) to its logits.
 
     Returns:
         ``(loss_sum, count, logits, target)``: the cross-entropy summed over the predicted
@@ -34,14 +40,11 @@ def token_loss(kind: str, model: nn.Module, batch: dict[str, Tensor], *,
         the targets (B, N) with -100 where nothing is predicted.
 
     Raises:
-        ValueError: an unknown kind, or one without a token objective (clip).
+        ValueError: a kind without a token objective (clip).
     """
-    from .kinds import get_kind
-
-    spec = get_kind(kind)
-    if not hasattr(spec, "logits_and_target"):
-        raise ValueError(f"token_loss: model kind {kind!r} has no token objective; use "
-                         f"qkv.train.kinds.get_kind({kind!r}).loss")
-    logits, target = spec.logits_and_target(model, batch)
+    if not hasattr(kind, "logits_and_target"):
+        raise ValueError(f"token_loss: model kind {getattr(kind, 'name', kind)!r} has no "
+                         f"token objective; use its own loss (ModelKind.loss)")
+    logits, target = kind.logits_and_target(model, batch)
     loss, count = token_cross_entropy(logits, target, label_smoothing=label_smoothing)
     return loss, count, logits, target

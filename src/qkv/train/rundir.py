@@ -1,4 +1,5 @@
-"""One writer per run directory: an advisory lock on ``RUN/.lock``, and data fingerprints.
+"""One writer per run directory: an advisory lock on ``RUN/.lock``, and what a new run or a
+resume checks of the directory (a run already there, run.json against its checkpoint).
 
 Everything that writes into a run directory (``qkv train``, ``--resume``, the demos that call
 ``Trainer``) first takes ``RunDirLock(RUN)`` and holds it until it has written its last file::
@@ -20,20 +21,21 @@ The lock is advisory and per machine: it guards against other qkv processes, not
 ``rm``, and on network file systems it is only as good as their ``flock``. Under torchrun only
 rank 0 takes it (see ``Trainer``), and every rank stops when it is refused.
 
-``file_fingerprint(path)`` is the size and SHA-256 of a data file, stored in run.json so that
-``--resume`` notices a file changed since the run began.
+``file_fingerprint(path)`` (the size and SHA-256 of a data file, stored in run.json so that
+``--resume`` notices a file changed since the run began) is ``qkv.train.data``'s, named here
+too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import socket
 from pathlib import Path
 from typing import Any
 
 from ..files import CheckpointError
+from .data import file_fingerprint
 
 try:  # POSIX
     import fcntl
@@ -179,32 +181,10 @@ def lock_holder(run_dir: str | os.PathLike) -> RunDirLock | None:
     return None
 
 
-def file_fingerprint(path: str | os.PathLike) -> dict[str, Any]:
-    """``{"size": bytes, "sha256": hex digest}`` of a file (read in 1 MiB blocks).
-
-    Raises:
-        OSError: ``path`` cannot be opened or read (``FileNotFoundError``: it is missing).
-        DataError (``qkv.data.files``): ``path`` is not a regular file, checked before it is
-            opened (a device such as ``/dev/zero`` would be read forever, a FIFO would
-            block or be consumed).
-    """
-    from ..data.files import regular_file
-
-    if os.path.exists(path):
-        regular_file(path)
-    digest = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-            size += len(block)
-    return {"size": size, "sha256": digest.hexdigest()}
-
-
 def never_saved(out: Path) -> bool:
     """A run directory whose run stopped before its first checkpoint: no checkpoint, no
     evaluation logged. Such a run has nothing to resume, so a new run may start over in it."""
-    from .checkpoint import find_checkpoint
+    from .layout import find_checkpoint
     from .metrics import METRICS, last_evaluation
 
     try:
@@ -258,7 +238,7 @@ def resume_checkpoint(out: Path, eval_every: int) -> Path:
     """The checkpoint a resume of the run in ``out`` continues; ``CheckpointError`` telling a
     checkpoint deleted since (metrics.jsonl records a save) from one never written (the run
     stopped before its first save, one every ``eval_every`` steps)."""
-    from .checkpoint import CHECKPOINT_DIR, find_checkpoint
+    from .layout import CHECKPOINT_DIR, find_checkpoint
     from .metrics import METRICS, last_evaluation
 
     try:

@@ -46,7 +46,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..files import CheckpointError, atomic_write, read_json
-from .checkpoint import CHECKPOINT_DIR, OLD_DIR, TMP_DIR, find_checkpoint
+from ..models import registry
+from .layout import CHECKPOINT_DIR, OLD_DIR, TMP_DIR, find_checkpoint
 
 __all__ = ["SHARDED_DIR", "build_checkpoint_model", "export_sharded", "is_sharded_checkpoint",
            "load_sharded_checkpoint", "load_sharded_model", "safe_reader",
@@ -391,26 +392,19 @@ def load_sharded_checkpoint(checkpoint: str | os.PathLike, *, model: nn.Module,
 
 
 # --- export --------------------------------------------------------------------------------------
-def _model_class(model_type: Any) -> type[nn.Module]:
-    from ..models import CLIP, ViT
-    from .checkpoint import MODEL_CLASSES
-
-    classes = {**MODEL_CLASSES, CLIP.config_class.MODEL_TYPE: CLIP,
-               ViT.config_class.MODEL_TYPE: ViT}
-    if model_type not in classes:
-        raise CheckpointError(f"config.json: model_type {model_type!r} is not a qkv model "
-                              f"({sorted(classes)})")
-    return classes[model_type]
-
-
 def build_checkpoint_model(checkpoint: str | os.PathLike) -> nn.Module:
     """A new model of the config.json of ``checkpoint`` (random weights, on the CPU, in
     training mode), built without touching torch's global RNG: what a resume shards and then
     fills with ``load_sharded_checkpoint``."""
-    data = read_json(Path(checkpoint) / "config.json")
-    cls = _model_class(data.get("model_type"))
+    path = Path(checkpoint) / "config.json"
+    data = read_json(path)
+    entry = registry.entry_for(data.get("model_type"), source=str(path))
+    if entry.model_type != data.get("model_type"):  # HF's name: not a config qkv wrote
+        raise CheckpointError(f"{path}: model_type {data.get('model_type')!r} is "
+                              f"HuggingFace's, not the {entry.model_type!r} a qkv checkpoint "
+                              f"holds")
     with torch.random.fork_rng(devices=[]):
-        return cls(cls.config_class.from_dict(data))  # type: ignore[attr-defined]
+        return entry.model_class(entry.config_class.from_dict(data))
 
 
 def load_sharded_model(checkpoint: str | os.PathLike) -> nn.Module:

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..files import CheckpointError, atomic_write
+from ..files import CheckpointError, atomic_write, read_json
 from .checkpoint import load_run, load_trainer_state, save_checkpoint
 from .claim import RunDirClaim
 from .config import TrainConfig
@@ -63,7 +63,7 @@ from .distributed import (
     setup_world,
     teardown_world,
 )
-from .finetune import BASE_JSON, attach_peft, check_base, load_base
+from .finetune import BASE_JSON, attach_peft, load_base
 from .kinds import get_kind
 from .memory import check_estimate_fits, scale_estimate
 from .metrics import METRICS, NullLog, truncate_metrics
@@ -272,7 +272,8 @@ class Trainer:
                 self.tokenizer = read_tokenizer(ckpt / "tokenizer.json")
             else:
                 self.model, self.tokenizer = load_run(ckpt)  # an adapter run: base checked
-            self.base = check_base(ckpt) if (ckpt / BASE_JSON).is_file() else None
+            # an adapter run's base.json, checked against its base by load_run just now
+            self.base = read_json(ckpt / BASE_JSON) if (ckpt / BASE_JSON).is_file() else None
             self.max_len = self.kind.max_len_of(self.model)
             self.data = self.kind.load_data(config, self.tokenizer, self.max_len)
         else:

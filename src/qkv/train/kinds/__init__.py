@@ -6,8 +6,10 @@ Registered, in this order (``MODEL_KINDS``): "transformer" (``transformer.py``),
 (``text.py``) — and "clip" (``clip.py``: images and captions, a contrastive loss).
 
 ``get_kind(name)`` gives a kind; ``kind_of_model_type`` the kind owning a config.json
-``model_type``; ``kind_of_model`` the kind of a model instance; ``model_classes()`` the
-``model_type`` -> class table ``load_run`` uses.
+``model_type``; ``kind_of_model`` the kind of a model instance; ``model_classes()`` each
+kind's own ``model_type`` -> class, as ``qkv.models.registry`` (the one table of model
+types, which loading asks) has it. A kind owns its helpers: the token kinds' data,
+loss and evaluation are ``TokenKind``'s methods, called on the kind object.
 """
 
 from __future__ import annotations

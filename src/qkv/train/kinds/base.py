@@ -36,6 +36,11 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
+from ...models import registry
+from ..data import file_fingerprint
+from ..errors import ConfigError
+from ..memory import estimate_training_bytes
+
 __all__ = ["KINDS", "ModelKind", "get_kind", "kind_of_model",
            "kind_of_model_type", "model_classes", "register"]
 
@@ -70,8 +75,6 @@ class ModelKind(abc.ABC):
     def check_config(self, config: Any) -> None:
         """Refuse settings this kind cannot train (raise ``qkv.train.config.ConfigError``
         naming the field). Default: a task another kind owns (``tasks``) is refused."""
-        from ..config import ConfigError
-
         if getattr(config, "grad_accum", 1) > 1 and not self.splits_batches:
             raise ConfigError("grad_accum", f"--model {self.name} cannot split a step's batch "
                                             f"into micro-batches (its loss couples the "
@@ -108,8 +111,6 @@ class ModelKind(abc.ABC):
     def data_fingerprint(self, path: Any) -> dict[str, Any]:
         """``{"size", "sha256"}`` of the ``--data`` path, recorded in run.json so that a
         resume notices a changed file (default: the file's bytes)."""
-        from ..rundir import file_fingerprint
-
         return file_fingerprint(path)
 
     # --- model ----------------------------------------------------------------------------
@@ -132,8 +133,6 @@ class ModelKind(abc.ABC):
         """A ``qkv.train.memory.MemoryEstimate`` of one step of ``batch_size`` examples on
         this process (``model`` best on the meta device). Default: the token model formula
         (``estimate_training_bytes``)."""
-        from ..memory import estimate_training_bytes
-
         return estimate_training_bytes(model, batch_size=batch_size, seq_len=seq_len,
                                        eval_examples=eval_examples)
 
@@ -237,5 +236,7 @@ def kind_of_model(model: nn.Module) -> ModelKind:
 
 
 def model_classes() -> dict[str, type[nn.Module]]:
-    """qkv's own config.json ``model_type`` -> model class, over every kind."""
-    return {k.model_types[0]: k.model_class for k in KINDS.values()}
+    """qkv's own config.json ``model_type`` -> model class, over every kind, as the one
+    table of model types has it (``qkv.models.registry``; a kind's ``model_class`` names
+    the same class)."""
+    return {k.model_types[0]: registry.model_class(k.model_types[0]) for k in KINDS.values()}

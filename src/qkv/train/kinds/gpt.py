@@ -5,12 +5,16 @@ on a plain-text file (contiguous windows of ``max_len`` + 1 tokens).
 Shapes: B batch, N sequence length, W text window, V vocabulary.
 
 Batch: ``ids`` (B, N) the inputs, ``targets`` (B, N) the next tokens, -100 where nothing is
-predicted (the prompt bos + source + eos of a pair, padding). Evaluation: token loss, and
-for pairs exact match of greedy completions (``qkv.generation.complete``).
+predicted (the prompt bos + source + eos of a pair, padding). Loss: ``GPT.loss``, the LM head
+fused with the cross-entropy over chunks of rows, so that a step never holds the (B, N, V)
+logits (with a 50k vocabulary they are most of a step's memory). Evaluation: token loss
+(the same way), and for pairs exact match of greedy completions
+(``qkv.generation.complete``).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import Tensor, nn
@@ -20,6 +24,10 @@ from ..data import IGNORE, gpt_prompts, pad_rows
 from .text import TokenKind
 
 __all__ = ["GPTKind"]
+
+#: ``GPT.loss`` smooths labels itself (a ``label_smoothing`` keyword); until it does, a step
+#: with label smoothing computes the full logits (``TokenKind.loss``)
+FUSED_SMOOTHING = "label_smoothing" in inspect.signature(GPT.loss).parameters
 
 
 class GPTKind(TokenKind):
@@ -54,6 +62,22 @@ class GPTKind(TokenKind):
     def logits_and_target(self, model: nn.Module, batch: dict[str, Tensor]
                           ) -> tuple[Tensor, Tensor]:
         return model(batch["ids"]), batch["targets"]  # (B, N, V), (B, N)
+
+    def loss(self, model: nn.Module, batch: dict[str, Tensor], *,
+             label_smoothing: float = 0.0) -> tuple[Tensor, Tensor]:
+        """The next-token cross-entropy summed over the predicted tokens (``GPT.loss``'s
+        mean over them, times their number; fp32), and their number: ``ids`` (B, N) run
+        through the model to its hidden states, the LM head and the cross-entropy fused over
+        row chunks (no (B, N, V) logits). A model under ``--fsdp`` runs it with its
+        parameters gathered (``loss`` is one of the methods sharding hooks), under bf16
+        autocast the head in fp32."""
+        ids, targets = batch["ids"], batch["targets"]  # (B, N), (B, N)
+        count = (targets != IGNORE).sum()
+        if label_smoothing and not FUSED_SMOOTHING:
+            return super().loss(model, batch, label_smoothing=label_smoothing)
+        smoothing = {"label_smoothing": label_smoothing} if label_smoothing else {}
+        mean = model.loss(ids, targets, ignore_index=IGNORE, **smoothing)
+        return mean.float() * count, count
 
     def decode(self, model: nn.Module, tokenizer: Any, sources: list[str], *,
                batch_size: int) -> list[str]:
