@@ -133,12 +133,12 @@ def train_clip(out_dir: str | os.PathLike, *, steps: int | None = None, seed: in
 
 
 def zero_shot_class_weights(model: Any, tokenizer: Any, language: str) -> Tensor:
-    """Class embeddings (K, E), unit rows, of the 30 combinations from the prompt templates
-    of ``language`` ("en" / "zh"): per template, ``class_prompts`` encoded and normalised
-    (``qkv.models.zero_shot_weights``); the M templates averaged and renormalised."""
+    """Class embeddings (K, E), unit rows, of the 30 combinations from the M prompt templates
+    of ``language`` ("en" / "zh"): each class's M prompts encoded and normalised, averaged and
+    renormalised (``qkv.models.zero_shot.prompt_weights``)."""
     from ..data.clip_text import encode_texts
     from ..data.shapes import PROMPT_TEMPLATES, class_prompts
-    from ..models.zero_shot import zero_shot_weights
+    from ..models.zero_shot import prompt_weights
 
     device = next(model.parameters()).device
 
@@ -146,9 +146,9 @@ def zero_shot_class_weights(model: Any, tokenizer: Any, language: str) -> Tensor
         ids, mask = encode_texts(tokenizer, texts)
         return ids.to(device), mask.to(device)
 
-    per = [zero_shot_weights(model, tokenize, class_prompts(t, language=language), ["{}"])
-           for t in PROMPT_TEMPLATES[language]]  # M x (K, E)
-    return F.normalize(torch.stack(per).mean(dim=0), dim=-1)  # (K, E)
+    per_template = [class_prompts(t, language=language) for t in PROMPT_TEMPLATES[language]]
+    by_class = [list(p) for p in zip(*per_template, strict=True)]  # K lists of M prompts
+    return prompt_weights(model, tokenize, by_class)  # (K, E)
 
 
 @torch.no_grad()

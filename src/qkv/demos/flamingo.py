@@ -8,7 +8,7 @@ The run, into OUT:
 
 1. ``OUT/vision``: the image tower — the CLIP of ``qkv demo clip`` (its recipe,
    ``qkv.demos.clip.train_clip``) trained ``VISION_STEPS`` steps, far fewer than that demo's
-   1,300: the questions need colour, shape and count, not zero-shot naming of unseen
+   800: the questions need colour, shape and count, not zero-shot naming of unseen
    combinations. ``vision=RUN`` reuses a finished ``qkv demo clip`` run instead (no CLIP
    training at all).
 2. ``OUT/lm``: a small qkv GPT (``LM_PRESET``) trained by ``qkv.train.Trainer`` on

@@ -41,7 +41,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..files import CheckpointError, atomic_write, read_json
-from ..models import registry
+from ..models import from_pretrained, registry
 from .kinds import get_kind
 from .layout import CHECKPOINT_DIR, OLD_DIR, TMP_DIR, find_checkpoint
 
@@ -155,31 +155,23 @@ def load_run(path: str | os.PathLike) -> tuple[nn.Module, Any]:
 
     Returns:
         ``(model, tokenizer)``: the model (``Transformer``, ``GPT``, ``BERT`` or ``CLIP``,
-        chosen by config.json's ``model_type``: ``qkv.models.registry``) in eval mode, and the
-        ``qkv.data`` tokenizer. A sharded checkpoint (``--fsdp``) is gathered whole on this
-        process (``qkv.train.sharded_checkpoint.load_sharded_model``; no process group).
-        For a run that trained an adapter (``TrainConfig.peft``):
-        its base (base.json) with the adapter attached and active (``qkv.peft``;
-        ``disable_adapters`` gives the base).
+        chosen by config.json's ``model_type``) in eval mode, read by the one door
+        ``qkv.models.from_pretrained``, and the ``qkv.data`` tokenizer. A sharded checkpoint
+        (``--fsdp``) is gathered whole on this process (the reader ``qkv.train`` registers
+        for sharded.json: ``qkv.train.sharded_checkpoint.read_sharded_checkpoint``; no
+        process group). For a run that trained an adapter (``TrainConfig.peft``): its base
+        (base.json) with the adapter attached and active (the reader registered for
+        adapter_config.json: ``qkv.train.finetune.read_adapter_run``; ``disable_adapters``
+        gives the base).
 
     Raises:
         CheckpointError: no checkpoint, an unknown model type, or missing/mismatched files;
         for an adapter run, a base that is missing or changed (naming its path).
     """
     from ..data import read_tokenizer
-    from .finetune import is_adapter_checkpoint, load_adapter_run
 
     ckpt = find_checkpoint(path)
-    if is_adapter_checkpoint(ckpt):
-        return load_adapter_run(ckpt)
-    if (ckpt / "sharded.json").is_file():  # a --fsdp run: DCP shards, gathered here
-        from .sharded_checkpoint import load_sharded_model
-
-        model = load_sharded_model(ckpt)
-    else:
-        config = ckpt / "config.json"
-        model = registry.model_class(read_json(config).get("model_type"),
-                                     source=str(config)).from_pretrained(ckpt)
+    model = from_pretrained(ckpt)  # an adapter run or a sharded one: qkv.train's readers
     if not (ckpt / "tokenizer.json").is_file():
         raise CheckpointError(f"{ckpt}: tokenizer.json is missing")
     return model, read_tokenizer(ckpt / "tokenizer.json")

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .layout import TMP_DIR
 from .distributed import World, broadcast_object
+from .layout import TMP_DIR
 from .rundir import RunDirBusyError, RunDirLock, never_saved, refuse_existing
 
 __all__ = ["RunDirClaim"]

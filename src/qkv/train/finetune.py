@@ -43,19 +43,19 @@ from typing import Any
 
 from torch import nn
 
-from ..files import QUANT_NAME, CheckpointError, read_json
-from ..models import registry
-from .layout import find_checkpoint
+from ..files import ADAPTER_MARK, QUANT_NAME, CheckpointError, read_json
+from ..models import from_pretrained
 from .data import file_fingerprint
 from .kinds import kind_of_model, kind_of_model_type
+from .layout import find_checkpoint
 from .memory import check_adapter_fits
 
 __all__ = ["BASE_JSON", "PEFT_KINDS", "BaseModel", "attach_peft", "base_model_kind",
            "check_base", "config_sha256", "is_adapter_checkpoint", "load_adapter_run",
-           "load_base", "peft_config"]
+           "load_base", "peft_config", "read_adapter_run"]
 
 BASE_JSON = "base.json"
-ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_CONFIG = ADAPTER_MARK
 #: ``peft["kind"]`` -> the ``qkv.peft`` config class name
 PEFT_KINDS = ("lora", "adapters", "prefix")
 
@@ -167,17 +167,6 @@ def _base_dir(init_from: str | os.PathLike) -> Path:
     return ckpt.resolve()
 
 
-def _load_model(ckpt: Path) -> nn.Module:
-    """A qkv checkpoint (config.json with qkv_version) or a HF GPT-2 / BERT directory."""
-    from ..models import from_hf
-
-    data = read_json(ckpt / "config.json")
-    if "qkv_version" not in data:
-        return from_hf(ckpt)
-    cls = registry.model_class(data.get("model_type"), source=str(ckpt / "config.json"))
-    return cls.from_pretrained(ckpt)
-
-
 def _load_tokenizer(ckpt: Path) -> Any:
     from ..data import BPETokenizer, read_tokenizer
 
@@ -258,7 +247,7 @@ def load_base(init_from: str | os.PathLike, want: str) -> BaseModel:
     ckpt = _base_dir(init_from)
     sha = file_fingerprint(ckpt / "model.safetensors")["sha256"]
     config_sha = config_sha256(ckpt)
-    model = _load_model(ckpt)
+    model = from_pretrained(ckpt)  # a qkv checkpoint, or a HF GPT-2 / BERT directory
     kind = kind_of_model(model)
     if kind.name != want:
         raise ValueError(f"--model {want} does not match the base {init_from}, a "
@@ -308,17 +297,29 @@ def check_base(ckpt: str | os.PathLike) -> dict[str, str]:
     return info
 
 
-def load_adapter_run(ckpt: str | os.PathLike) -> tuple[nn.Module, Any]:
-    """(model, tokenizer) of an adapter checkpoint: the base (checked by ``check_base``) with
-    the adapter attached and active, in eval mode (the adapter's parameters keep
-    requires_grad, the base's are frozen)."""
-    from ..data import read_tokenizer
+def read_adapter_run(ckpt: str | os.PathLike, *, device: Any = None,
+                     dtype: Any = None) -> nn.Module:
+    """The model of an adapter checkpoint: the base (checked by ``check_base``) with the
+    adapter attached and active, in eval mode (the adapter's parameters keep requires_grad,
+    the base's are frozen). ``qkv.models.from_pretrained``'s reader of a directory holding
+    adapter_config.json (registered by ``qkv.train``; it places the model on ``device`` /
+    ``dtype`` afterwards, so they are not used here)."""
     from ..peft import load_adapter
 
     ckpt = Path(ckpt)
     info = check_base(ckpt)
-    model = _load_model(Path(info["path"]))
+    model = from_pretrained(Path(info["path"]))
     load_adapter(model, ckpt)
+    return model.eval()
+
+
+def load_adapter_run(ckpt: str | os.PathLike) -> tuple[nn.Module, Any]:
+    """(model, tokenizer) of an adapter checkpoint: ``read_adapter_run``'s model and the
+    run's tokenizer.json."""
+    from ..data import read_tokenizer
+
+    ckpt = Path(ckpt)
+    model = read_adapter_run(ckpt)
     if not (ckpt / "tokenizer.json").is_file():
         raise CheckpointError(f"{ckpt}: tokenizer.json is missing")
-    return model.eval(), read_tokenizer(ckpt / "tokenizer.json")
+    return model, read_tokenizer(ckpt / "tokenizer.json")

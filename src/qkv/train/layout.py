@@ -11,12 +11,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..files import CheckpointError
+from ..files import CHECKPOINT_DIR, CheckpointError
 
 __all__ = ["CHECKPOINT_DIR", "OLD_DIR", "TMP_DIR", "find_checkpoint"]
 
-CHECKPOINT_DIR = "checkpoint"
-TMP_DIR, OLD_DIR = "checkpoint.tmp", "checkpoint.old"
+TMP_DIR, OLD_DIR = f"{CHECKPOINT_DIR}.tmp", f"{CHECKPOINT_DIR}.old"
 
 
 def find_checkpoint(path: str | os.PathLike) -> Path:

@@ -8,6 +8,7 @@ Shapes: none (settings and files only).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,7 @@ def resumed_config(out_dir: Path, *, steps: int | None = None, grad_accum: int |
     if activation_checkpointing is not None:
         changes["activation_checkpointing"] = activation_checkpointing
     if changes:
-        config = TrainConfig.from_dict({**config.to_dict(), **changes})
+        config = dataclasses.replace(config, **changes)  # checked again, as from_dict does
         if "steps" in changes and config.schedule == "cosine":
             log(f"note: the cosine schedule is re-stretched from {data['steps']} to "
                 f"{steps} total steps; later learning rates differ from those of a run "
@@ -103,4 +104,4 @@ def check_data_unchanged(config: TrainConfig, out_dir: Path, kind: ModelKind, *,
                 f"file, or pass --accept-changed-data to continue on it anyway")
         note(f"note: continuing {out_dir} on the changed {path} ({change}), as "
              f"--accept-changed-data asks; the run is no longer reproducible")
-    return TrainConfig.from_dict({**config.to_dict(), "data_fingerprint": now})
+    return dataclasses.replace(config, data_fingerprint=now)

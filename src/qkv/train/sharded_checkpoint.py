@@ -45,15 +45,15 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..files import CheckpointError, atomic_write, read_json
+from ..files import FSDP_MARK, CheckpointError, atomic_write, read_json
 from ..models import registry
 from .layout import CHECKPOINT_DIR, OLD_DIR, TMP_DIR, find_checkpoint
 
 __all__ = ["SHARDED_DIR", "build_checkpoint_model", "export_sharded", "is_sharded_checkpoint",
-           "load_sharded_checkpoint", "load_sharded_model", "safe_reader",
-           "save_sharded_checkpoint"]
+           "load_sharded_checkpoint", "load_sharded_model", "read_sharded_checkpoint",
+           "safe_reader", "save_sharded_checkpoint"]
 
-SHARDED_DIR, SHARDED_JSON = "sharded", "sharded.json"
+SHARDED_DIR, SHARDED_JSON = "sharded", FSDP_MARK
 STATE_JSON, STATE_TENSORS = "trainer_state.json", "trainer_state.safetensors"
 FORMAT = "qkv-dcp-1"
 #: files of a sharded checkpoint that are not part of an exported model directory
@@ -425,6 +425,14 @@ def load_sharded_model(checkpoint: str | os.PathLike) -> nn.Module:
         raise CheckpointError(f"{ckpt}: cannot read the sharded model: "
                               f"{_describe(exc)}") from exc
     return model.eval()
+
+
+def read_sharded_checkpoint(checkpoint: str | os.PathLike, *, device: Any = None,
+                            dtype: Any = None) -> nn.Module:
+    """``qkv.models.from_pretrained``'s reader of a directory holding sharded.json
+    (registered by ``qkv.train``): ``load_sharded_model``'s model, which it then places on
+    ``device`` / ``dtype`` (so they are not used here)."""
+    return load_sharded_model(checkpoint)
 
 
 def export_sharded(run_or_ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:

@@ -41,6 +41,7 @@ a resume checks: run.json's allowed changes, the data file's fingerprint).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import signal
 import threading
@@ -281,9 +282,8 @@ class Trainer:
                 refuse_existing(self.out)  # every rank, before any work
             if config.data is not None:  # resumable from any working directory
                 data = Path(config.data).resolve()
-                config = self.config = TrainConfig.from_dict({
-                    **config.to_dict(), "data": str(data),
-                    "data_fingerprint": data_fingerprint(self.kind, data)})
+                config = self.config = dataclasses.replace(
+                    config, data=str(data), data_fingerprint=data_fingerprint(self.kind, data))
             torch.manual_seed(config.seed)
             if config.init_from is not None:
                 config = self._start_from_base(config)
@@ -348,8 +348,7 @@ class Trainer:
         """The base of ``init_from`` (its tokenizer and max_len), the adapter of ``peft``
         attached; data and memory checked. Returns the config with the base's absolute path."""
         base = load_base(config.init_from, config.model)
-        config = self.config = TrainConfig.from_dict({**config.to_dict(),
-                                                      "init_from": str(base.path)})
+        config = self.config = dataclasses.replace(config, init_from=str(base.path))
         self.data, self.max_len, seq_len = self.kind.prepare_base_data(config, base.tokenizer,
                                                                        base.max_len)
         self.model, self.tokenizer = base.model, base.tokenizer

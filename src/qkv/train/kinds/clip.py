@@ -85,7 +85,7 @@ class CLIPKind(ModelKind):
     splits_batches = False  # the negatives of a micro-batch would be fewer than the batch's
 
     def check_config(self, config: Any) -> None:
-        from ..config import ConfigError
+        from ..errors import ConfigError
 
         super().check_config(config)
         for field in ("init_from", "peft"):

@@ -23,7 +23,7 @@ from ...models import GPT, GPTConfig
 from ..data import IGNORE, gpt_prompts, pad_rows
 from .text import TokenKind
 
-__all__ = ["GPTKind"]
+__all__ = ["FUSED_SMOOTHING", "GPTKind"]
 
 #: ``GPT.loss`` smooths labels itself (a ``label_smoothing`` keyword); until it does, a step
 #: with label smoothing computes the full logits (``TokenKind.loss``)
@@ -70,7 +70,8 @@ class GPTKind(TokenKind):
         through the model to its hidden states, the LM head and the cross-entropy fused over
         row chunks (no (B, N, V) logits). A model under ``--fsdp`` runs it with its
         parameters gathered (``loss`` is one of the methods sharding hooks), under bf16
-        autocast the head in fp32."""
+        autocast the head in fp32. With label smoothing, until ``GPT.loss`` takes it
+        (``FUSED_SMOOTHING``), the full logits' cross-entropy (``TokenKind.loss``)."""
         ids, targets = batch["ids"], batch["targets"]  # (B, N), (B, N)
         count = (targets != IGNORE).sum()
         if label_smoothing and not FUSED_SMOOTHING:
