@@ -2,7 +2,7 @@
 through ``GPT.loss`` (the LM head fused with the cross-entropy over chunks of rows) against
 the full (B, N, V) logits + ``F.cross_entropy`` it replaced.
 
-Usage: python -m benchmarks.bench_train_memory [--quick] [--rounds 5] [--label-smoothing 0]
+Usage: python -m benchmarks.bench_train_memory [--quick] [--rounds 5] [--label-smoothing 0.1]
 
 Shapes B=8, N=256, V=50257 (GPT-2's vocabulary), C=128, L=2, H=4, fp32, CPU. One step is
 what the trainer does: the kind's summed loss over the predicted tokens (text windows: every
@@ -13,8 +13,8 @@ fresh subprocess: the model, its optimizer and the batch are built first, then t
 resident memory during the step above the resident memory before it is recorded
 (``peak_growth_mib``; it includes AdamW's moments, created by the first step, the same for
 both). The cases alternate (the order flips every round) ``--rounds`` times; the figures are
-medians, the ratio full / fused. With ``--label-smoothing`` > 0 the gpt kind computes the
-full logits too until ``GPT.loss`` smooths labels itself (``FUSED_SMOOTHING``; printed).
+medians, the ratio full / fused. ``--label-smoothing`` (0.1 is ``TrainConfig``'s default)
+smooths both: ``GPT.loss`` smooths inside its chunks.
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
                           ("layers", 2), ("heads", 4)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--rounds", type=int, default=5, help="times each case is run")
-    parser.add_argument("--label-smoothing", type=float, default=0.0)
+    parser.add_argument("--label-smoothing", type=float, default=0.1,
+                        help="as TrainConfig.label_smoothing (its default 0.1)")
     parser.add_argument("--measure", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
@@ -89,16 +90,11 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(measure(args.measure, **sizes,
                                  label_smoothing=args.label_smoothing)))
         return
-    from qkv.train.kinds.gpt import FUSED_SMOOTHING
-
     print(f"command: python -m benchmarks.bench_train_memory {' '.join(sys.argv[1:])}")
     print_cpu()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, load "
           f"{load_average()}; B={args.batch} N={args.seq} V={args.vocab} C={args.dim} "
           f"L={args.layers} H={args.heads} fp32, label_smoothing {args.label_smoothing}")
-    if args.label_smoothing and not FUSED_SMOOTHING:
-        print("note: GPT.loss takes no label_smoothing yet: the gpt kind computes the full "
-              "logits for this step as well")
     extra = [f"--{k}={v}" for k, v in sizes.items()]
     extra.append(f"--label-smoothing={args.label_smoothing}")
     runs: dict[str, list[dict]] = {case: [] for case in CASES}

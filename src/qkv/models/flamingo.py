@@ -65,10 +65,11 @@ from ..files import CheckpointError, atomic_write, read_json
 from ..modules.gated_cross_attention import GatedCrossAttentionBlock, MediaKV, text_time_from_ids
 from ..modules.positions import positions_from_mask
 from ..modules.resampler import PerceiverResampler
+from ..ops.lm_loss import linear_cross_entropy
 from .clip import CLIP
 from .config import ModelConfig
 from .flamingo_decode import FlamingoCache, FlamingoDecoder, check_image_counts
-from .gpt import GPT, linear_cross_entropy
+from .gpt import GPT
 from .inputs import check_token_ids
 from .vit import ViT
 

@@ -36,7 +36,7 @@ from ..modules.linear_attention import LinearAttention
 from ..modules.linear_call import apply_linear
 from ..modules.norms import LayerNorm, RMSNorm, make_norm
 from ..modules.positions import Learned, RoPE, positions_from_mask
-from ..ops.fast_linear import fast_linear
+from ..ops.lm_loss import linear_cross_entropy
 from ..ops.masks import Mask, Padding
 from ..ops.sparse_masks import SlidingWindow
 from .config import ModelConfig
@@ -46,7 +46,7 @@ from .hf_load import HFMapping, load_hf
 from .hub import PretrainedMixin, load_tokenizer
 from .inputs import check_token_ids
 
-__all__ = ["GPT", "GPTConfig", "GPTOutput", "linear_cross_entropy", "load_tokenizer"]
+__all__ = ["GPT", "GPTConfig", "GPTOutput", "load_tokenizer"]
 
 
 class GPTOutput(NamedTuple):
@@ -65,76 +65,6 @@ def _describe(cache: Any) -> str:
     if isinstance(cache, (list, tuple)):
         return f"{type(cache).__name__} of {[repr(c) for c in cache][:2]}"[:300]
     return type(cache).__name__
-
-
-class _LinearCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of ``h @ weightᵀ`` against ``targets``, computed over row chunks:
-    each (chunk, V) block of logits lives only inside the loop (its softmax is turned into the
-    gradient in place), so the (M, V) logits are never materialised nor copied. Gradients are
-    computed in the forward pass (the loss is a scalar) and scaled in the backward.
-
-    The logits and the input gradient of each chunk go through ``qkv.ops.fast_linear``
-    (oneDNN's matmul where it pays: ~10 % faster here at (256..1024, 384) x (384, 8192));
-    the weight gradient (only when the head trains) is ``addmm_``."""
-
-    @staticmethod
-    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, ignore_index: int,
-                chunk: int) -> Tensor:  # h (M, C), weight (V, C), targets (M,)
-        valid = targets != ignore_index  # (M,)
-        count = valid.sum().clamp_min(1).to(h.dtype)
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(h) if need_h else None
-        grad_w = torch.zeros_like(weight) if need_w else None
-        total = h.new_zeros(())
-        safe = targets.masked_fill(~valid, 0)
-        for i in range(0, h.shape[0], chunk):
-            hc, tc, vc = h[i:i + chunk], safe[i:i + chunk], valid[i:i + chunk]
-            logits = fast_linear(hc, weight)  # (m, V); grad mode is off in here
-            top = logits.amax(dim=-1, keepdim=True)  # (m, 1)
-            picked = logits.gather(1, tc[:, None])  # (m, 1)
-            p = logits.sub_(top).exp_()  # unnormalised softmax, in place (m, V)
-            denom = p.sum(dim=-1, keepdim=True)  # (m, 1)
-            nll = denom.log() + top - picked  # (m, 1) = logsumexp - logit of the target
-            total = total + (nll.squeeze(1) * vc).sum()
-            if need_h or need_w:
-                # d(mean loss)/d(logits) = (softmax - onehot) · valid / count, in place
-                p.mul_((vc.to(p.dtype) / count)[:, None] / denom)
-                p.scatter_add_(1, tc[:, None], -(vc.to(p.dtype) / count)[:, None])
-                if need_h:
-                    grad_h[i:i + chunk] = fast_linear(p, weight.t())  # (m, C) = p @ weight
-                if need_w:
-                    grad_w.addmm_(p.t(), hc)  # (V, C)
-        ctx.save_for_backward(grad_h if need_h else None, grad_w if need_w else None)
-        return total / count
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        grad_h, grad_w = ctx.saved_tensors
-        if grad_h is not None:
-            grad_h = grad_h * g
-        if grad_w is not None:
-            grad_w = grad_w * g
-        return grad_h, grad_w, None, None, None
-
-
-def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, *,
-                         ignore_index: int = -100, chunk: int = 512) -> Tensor:
-    """Mean cross-entropy of the logits ``hidden @ weightᵀ`` against ``targets``, the (M, V)
-    logits never materialised: computed ``chunk`` rows at a time, each block's softmax
-    turned into the gradient in place (the fused LM head + loss of ``GPT.loss`` and
-    ``Flamingo.loss``).
-
-    Args:
-        hidden: (M, C) hidden states (the rows of (B, N, C) flattened).
-        weight: (V, C) the LM head's weight.
-        targets: (M,) int64 token ids in [0, V), or ``ignore_index`` (left out of the mean).
-        chunk: rows of logits computed at a time.
-
-    Returns:
-        a scalar tensor, ``F.cross_entropy(hidden @ weight.T, targets)`` up to rounding
-        (0 when every target is ignored); differentiable in ``hidden`` and ``weight``.
-    """
-    return _LinearCrossEntropy.apply(hidden, weight, targets, ignore_index, chunk)
 
 
 class GPT(PretrainedMixin, nn.Module):
@@ -381,19 +311,22 @@ class GPT(PretrainedMixin, nn.Module):
 
     def loss(self, input_ids: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None,
              position_ids: Tensor | None = None, ignore_index: int = -100,
-             chunk: int = 512) -> Tensor:
-        """Mean next-token cross-entropy, without materialising the (B·N, V) logits.
+             label_smoothing: float = 0.0, chunk: int = 512) -> Tensor:
+        """Mean next-token cross-entropy, without materialising the (B·N, V) logits
+        (``qkv.ops.lm_loss.linear_cross_entropy``: the LM head fused with the loss over
+        chunks of rows, fp32 inside each chunk).
 
         Args:
             input_ids: (B, N) token ids.
             targets: (B, N) the token each position should predict (usually ``input_ids``
                 shifted left by one); ``ignore_index`` entries are left out of the mean.
             attention_mask, position_ids: as for ``forward``.
+            label_smoothing: in [0, 1], as ``F.cross_entropy``'s.
             chunk: rows of logits computed at a time by the fused LM-head + cross-entropy.
 
         Returns:
-            a scalar tensor; equals ``F.cross_entropy(forward(ids).flatten(0, 1),
-            targets.flatten())`` up to rounding.
+            an fp32 scalar tensor; equals ``F.cross_entropy(forward(ids).flatten(0,
+            1).float(), targets.flatten(), label_smoothing=label_smoothing)`` up to rounding.
         """
         if not isinstance(targets, Tensor) or _shape(targets) != _shape(input_ids) \
                 or targets.dtype.is_floating_point:
@@ -410,10 +343,11 @@ class GPT(PretrainedMixin, nn.Module):
                              f"vocab_size={self.config.vocab_size}")
         weight = self.lm_head.weight
         # under autocast the hidden states may be bf16/fp16 while the head is fp32: the head
-        # and its softmax run in the head's dtype (as autocast runs cross-entropy in fp32)
+        # runs in its own dtype, its softmax in fp32 (as autocast runs cross-entropy)
         with torch.autocast(h.device.type, enabled=False):
             return linear_cross_entropy(h.reshape(-1, h.shape[-1]).to(weight.dtype), weight,
-                                        t, ignore_index=ignore_index, chunk=chunk)
+                                        t, ignore_index=ignore_index,
+                                        label_smoothing=label_smoothing, chunk=chunk)
 
     # --- HuggingFace --------------------------------------------------------------------------
     @classmethod

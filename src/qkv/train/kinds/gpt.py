@@ -14,7 +14,6 @@ logits (with a 50k vocabulary they are most of a step's memory). Evaluation: tok
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from torch import Tensor, nn
@@ -23,11 +22,7 @@ from ...models import GPT, GPTConfig
 from ..data import IGNORE, gpt_prompts, pad_rows
 from .text import TokenKind
 
-__all__ = ["FUSED_SMOOTHING", "GPTKind"]
-
-#: ``GPT.loss`` smooths labels itself (a ``label_smoothing`` keyword); until it does, a step
-#: with label smoothing computes the full logits (``TokenKind.loss``)
-FUSED_SMOOTHING = "label_smoothing" in inspect.signature(GPT.loss).parameters
+__all__ = ["GPTKind"]
 
 
 class GPTKind(TokenKind):
@@ -67,17 +62,13 @@ class GPTKind(TokenKind):
              label_smoothing: float = 0.0) -> tuple[Tensor, Tensor]:
         """The next-token cross-entropy summed over the predicted tokens (``GPT.loss``'s
         mean over them, times their number; fp32), and their number: ``ids`` (B, N) run
-        through the model to its hidden states, the LM head and the cross-entropy fused over
-        row chunks (no (B, N, V) logits). A model under ``--fsdp`` runs it with its
-        parameters gathered (``loss`` is one of the methods sharding hooks), under bf16
-        autocast the head in fp32. With label smoothing, until ``GPT.loss`` takes it
-        (``FUSED_SMOOTHING``), the full logits' cross-entropy (``TokenKind.loss``)."""
+        through the model to its hidden states, the LM head and the (label-smoothed)
+        cross-entropy fused over row chunks with an fp32 softmax (no (B, N, V) logits). A
+        model under ``--fsdp`` runs it with its parameters gathered (``loss`` is one of the
+        methods sharding hooks)."""
         ids, targets = batch["ids"], batch["targets"]  # (B, N), (B, N)
         count = (targets != IGNORE).sum()
-        if label_smoothing and not FUSED_SMOOTHING:
-            return super().loss(model, batch, label_smoothing=label_smoothing)
-        smoothing = {"label_smoothing": label_smoothing} if label_smoothing else {}
-        mean = model.loss(ids, targets, ignore_index=IGNORE, **smoothing)
+        mean = model.loss(ids, targets, ignore_index=IGNORE, label_smoothing=label_smoothing)
         return mean.float() * count, count
 
     def decode(self, model: nn.Module, tokenizer: Any, sources: list[str], *,
