@@ -34,7 +34,7 @@ import qkv.ops.fast_linear as fl
 from qkv.models import GPT, GPTConfig
 from qkv.ops.fast_linear import onednn_linear
 from qkv.peft import LoraConfig, add_lora
-from qkv.peft import lora as lora_mod
+from qkv.peft import lora_layers as lora_mod
 
 V, C, H = 61, 48, 4
 ROWS = {"q": (0, C), "k": (C, 2 * C), "v": (2 * C, 3 * C), "qkv": (0, 3 * C)}  # of in_proj

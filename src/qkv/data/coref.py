@@ -30,9 +30,10 @@ two nouns in one sentence, in either order or language. Each noun alone does occ
 from __future__ import annotations
 
 import functools
-import hashlib
 import random
 from typing import NamedTuple
+
+from .order import hash_int
 
 __all__ = ["COREF_KINDS", "COREF_LANGS", "CorefExample", "coref_examples", "coref_lexicon",
            "coref_sentence", "coref_split", "coref_split_pairs", "coref_vocabulary"]
@@ -107,11 +108,6 @@ class CorefExample(NamedTuple):
         return self.tokens[self.antecedent]
 
 
-def _hash_int(*parts: object) -> int:
-    key = "\x1f".join(str(p) for p in parts).encode("utf-8")
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
-
-
 def coref_lexicon() -> dict[str, dict[str, tuple]]:
     """The word lists, keyed by English word: ``{"nouns": {en: (zh, class)}, "adjectives":
     {en: (zh, "animate" | "object")}, "relations": {en: (zh_before, zh_after,
@@ -182,7 +178,7 @@ def coref_split_pairs() -> dict[str, dict[str, tuple[tuple[str, str], ...]]]:
     for kind, (a_class, b_class) in _KIND_CLASSES.items():
         pairs = [tuple(sorted((a, b))) for a, (_, ca) in _NOUNS.items() if ca == a_class
                  for b, (_, cb) in _NOUNS.items() if cb == b_class]
-        pairs.sort(key=lambda p: (p != _PINNED_TEST, _hash_int("qkv.data.coref/heldout", *p)))
+        pairs.sort(key=lambda p: (p != _PINNED_TEST, hash_int("qkv.data.coref/heldout", *p)))
         n = max(1, round(_HELD_OUT * len(pairs)))
         out["test"][kind] = pairs[:n]
         out["valid"][kind] = pairs[n:2 * n]
@@ -231,7 +227,7 @@ def coref_examples(split: str, start: int, count: int, *, seed: int = 0,
     langs = tuple(langs)
     if not langs or any(lang not in COREF_LANGS for lang in langs):
         raise ValueError(f"langs must be a non-empty subset of {COREF_LANGS}, got {langs!r}")
-    return [_draw(random.Random(_hash_int("qkv.data.coref", seed, split, i, *langs)), split,
+    return [_draw(random.Random(hash_int("qkv.data.coref", seed, split, i, *langs)), split,
                   langs)
             for i in range(start, start + count)]
 

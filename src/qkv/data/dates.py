@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
-import hashlib
 import random
 from collections.abc import Callable
 from typing import NamedTuple
+
+from .order import hash_int
 
 __all__ = ["DATE_FORMATS", "DATE_MAX", "DATE_MIN", "LONG_DATE_MAX_LEN", "SPLITS", "DateSample",
            "chinese_number", "date_alphabet", "date_examples", "date_long_examples",
@@ -159,18 +160,13 @@ def render_date(date: _dt.date, fmt: str, *, case: str = "natural") -> str:
     return _apply_case(text, case) if cased else text
 
 
-def _hash_int(*parts: object) -> int:
-    key = "\x1f".join(str(p) for p in parts).encode("utf-8")
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
-
-
 def date_split(date: _dt.date) -> str:
     """The split a calendar date belongs to: "valid" (~2.5%), "test" (~2.5%) or "train".
 
     A BLAKE2 hash of the ISO date, independent of any seed: the same dates are held out for
     every seed and format.
     """
-    bucket = _hash_int("qkv.data.dates/heldout", date.isoformat()) % 40
+    bucket = hash_int("qkv.data.dates/heldout", date.isoformat()) % 40
     return "valid" if bucket == 0 else "test" if bucket == 1 else "train"
 
 
@@ -202,7 +198,7 @@ def date_sample(*, seed: int, split: str, index: int) -> DateSample:
     _check_split(split)
     if not isinstance(index, int) or index < 0:
         raise ValueError(f"index must be a non-negative int, got {index!r}")
-    rng = random.Random(_hash_int("qkv.data.dates", seed, split, index))
+    rng = random.Random(hash_int("qkv.data.dates", seed, split, index))
     if split == "train":
         lo, hi = DATE_MIN.toordinal(), DATE_MAX.toordinal()
         while True:

@@ -2,16 +2,20 @@
 items of any step are a pure function of (seed, position) and a resumed run reads the same.
 
 ``derived_seed(seed, k)``: the generator seed of item ``k`` (an epoch, a step) of a run
-seeded ``seed``. ``epoch_indices(n, start, count, seed)``: positions ``start .. start +
+seeded ``seed``. ``hash_int(*parts)``: a stable 64-bit integer of its parts (the embedded
+tasks draw each example from a generator seeded with it, and split held-out items by it).
+``epoch_indices(n, start, count, seed)``: positions ``start .. start +
 count - 1`` of the endless stream epoch 0, epoch 1, ... where epoch e is
 ``torch.randperm(n)`` drawn from a generator seeded ``derived_seed(seed, e)``.
 """
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
-__all__ = ["derived_seed", "epoch_indices"]
+__all__ = ["derived_seed", "epoch_indices", "hash_int"]
 
 
 def derived_seed(seed: int, k: int) -> int:
@@ -32,3 +36,11 @@ def epoch_indices(n: int, start: int, count: int, seed: int) -> list[int]:
             perms[epoch] = torch.randperm(n, generator=g).tolist()
         out.append(perms[epoch][i])
     return out
+
+
+def hash_int(*parts: object) -> int:
+    """A 64-bit integer of ``parts`` (their ``str`` joined by U+001F), the same in every
+    process and Python version (blake2b, not ``hash``): the seed of an embedded task's
+    example, or its held-out bucket."""
+    key = "\x1f".join(str(p) for p in parts).encode("utf-8")
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")

@@ -41,7 +41,6 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
 import math
 import operator
 import random
@@ -52,6 +51,8 @@ from typing import Any, NamedTuple
 import torch
 from PIL import Image, ImageDraw
 from torch import Tensor
+
+from .order import hash_int
 
 __all__ = ["BACKGROUNDS", "COLOURS", "COLOUR_RGB", "COLOUR_ZH", "COMBINATIONS", "LANGUAGES",
            "POSITIONS", "PROMPT_TEMPLATES", "SHAPES", "SHAPE_ZH", "SIZES", "SPLITS",
@@ -82,7 +83,7 @@ SHAPE_ZH = {"circle": "圆形", "square": "正方形", "triangle": "三角形", 
             "cross": "十字形"}
 _SHAPE_ZH_SHORT = {"circle": "圆", "square": "正方形", "triangle": "三角形", "star": "星",
                    "cross": "十字"}
-_PLURAL = {"circle": "circles", "square": "squares", "triangle": "triangles", "star": "stars",
+PLURAL = {"circle": "circles", "square": "squares", "triangle": "triangles", "star": "stars",
            "cross": "crosses"}
 _POSITION_EN = {"left": "on the left", "right": "on the right", "top": "at the top",
                 "bottom": "at the bottom", "centre": "in the centre"}
@@ -117,11 +118,6 @@ class ShapesBatch(NamedTuple):
     labels: list[dict[str, Any]]
 
 
-def _hash_int(*parts: object) -> int:
-    key = "\x1f".join(str(p) for p in parts).encode("utf-8")
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
-
-
 def _check_int(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
@@ -139,7 +135,7 @@ def heldout_combinations(seed: int = 0) -> tuple[tuple[str, str], ...]:
     (orange, star)`` (a test pins it, so it never changes silently).
     """
     _check_int("seed", seed)
-    rng = random.Random(_hash_int("qkv.data.shapes/heldout", seed))
+    rng = random.Random(hash_int("qkv.data.shapes/heldout", seed))
     colours = list(COLOURS)
     rng.shuffle(colours)
     shapes = list(SHAPES)
@@ -198,7 +194,7 @@ def caption_for(labels: dict[str, Any], language: str) -> str:
         return (f"{_POSITION_ZH[position]}一个{_SIZE_ZH[size]}{COLOUR_ZH[colour]}"
                 f"{_SHAPE_ZH_SHORT[shape]}")
     if language == "en":
-        return f"{_COUNT_EN[count]} {colour} {_PLURAL[shape]}"
+        return f"{_COUNT_EN[count]} {colour} {PLURAL[shape]}"
     return f"{_COUNT_ZH[count]}个{COLOUR_ZH[colour]}色{SHAPE_ZH[shape]}"
 
 
@@ -310,7 +306,7 @@ class ShapesDataset:
 
     def _draw(self, i: int) -> tuple[dict[str, Any], dict[str, Any]]:
         """(labels, render parameters) of example ``i``."""
-        rng = random.Random(_hash_int("qkv.data.shapes", self.seed, self.split, i))
+        rng = random.Random(hash_int("qkv.data.shapes", self.seed, self.split, i))
         colour, shape = rng.choice(self.combinations)
         count = 1 if rng.random() < 0.5 else rng.choice((2, 3))
         if count == 1:

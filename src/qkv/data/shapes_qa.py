@@ -57,7 +57,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from .shapes import _PLURAL, COLOURS, SHAPES, ShapesDataset, _hash_int
+from .order import hash_int
+from .shapes import COLOURS, PLURAL, SHAPES, ShapesDataset
 
 __all__ = ["IMAGE_CHAR", "IMAGE_TOKEN", "QA_KINDS", "QABatch", "QAPair", "QARow",
            "ShapesQADataset", "image_token_id", "qa_alphabet"]
@@ -73,7 +74,7 @@ _QA_SIZES = {"train": 100_000, "test": 1_000}
 def qa_alphabet() -> str:
     """Every character a row can hold (``IMAGE_CHAR`` included), sorted: the alphabet of a
     ``CharTokenizer`` for this data."""
-    words = [*COLOURS, *SHAPES, *_PLURAL.values(), "123", "Q: A: .?",
+    words = [*COLOURS, *SHAPES, *PLURAL.values(), "123", "Q: A: .?",
              "what colour is the are shape it they how many"]
     return "".join(sorted(set("".join(words)) | {IMAGE_CHAR}))
 
@@ -148,11 +149,11 @@ def _question(kind: str, labels: dict[str, Any]) -> tuple[str, str]:
     shape, count = labels["shape"], labels["count"]
     if kind == "colour":
         q = (f"what colour is the {shape}?" if count == 1
-             else f"what colour are the {_PLURAL[shape]}?")
+             else f"what colour are the {PLURAL[shape]}?")
         return q, labels["colour"]
     if kind == "shape":
         return ("what shape is it?" if count == 1 else "what shape are they?"), shape
-    return f"how many {_PLURAL[shape]}?", str(count)
+    return f"how many {PLURAL[shape]}?", str(count)
 
 
 class ShapesQADataset:
@@ -212,7 +213,7 @@ class ShapesQADataset:
         if not -self.size <= index < self.size:
             raise IndexError(f"index {index} out of range for {self.size} rows")
         i = index % self.size
-        rng = random.Random(_hash_int("qkv.data.shapes_qa", self.seed, self.split, i))
+        rng = random.Random(hash_int("qkv.data.shapes_qa", self.seed, self.split, i))
         count = rng.randint(1, self.max_images)
         indices = tuple(rng.randrange(len(self.images)) for _ in range(count))
         text, pairs, spans, labels = "", [], [], []

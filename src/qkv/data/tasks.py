@@ -23,7 +23,6 @@ not depend on ``seed``.
 
 from __future__ import annotations
 
-import hashlib
 import random
 import string
 
@@ -35,6 +34,7 @@ from .dates import (
     date_long_examples,
     date_max_source_len,
 )
+from .order import hash_int
 
 __all__ = ["TASKS", "AdditionTask", "DatesLongTask", "DatesTask", "StringTask", "Task",
            "get_task"]
@@ -43,11 +43,6 @@ __all__ = ["TASKS", "AdditionTask", "DatesLongTask", "DatesTask", "StringTask", 
 TASKS = ("dates", "copy", "reverse", "sort", "addition", "dates-long")
 #: Draws before giving up on a split that holds (almost) no sources of a tiny task.
 _MAX_DRAWS = 10_000
-
-
-def _hash_int(*parts: object) -> int:
-    key = "\x1f".join(str(p) for p in parts).encode("utf-8")
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
 
 
 def _check_range(split: str, start: int, count: int) -> None:
@@ -82,7 +77,7 @@ class Task:
         return [self._example(split, i) for i in range(start, start + count)]
 
     def _example(self, split: str, index: int) -> tuple[str, str]:
-        rng = random.Random(_hash_int("qkv.data.tasks", self.name, self.seed, split, index))
+        rng = random.Random(hash_int("qkv.data.tasks", self.name, self.seed, split, index))
         for _ in range(_MAX_DRAWS):
             source, target = self._draw(rng)
             if self.source_split(source) == split:
@@ -92,7 +87,7 @@ class Task:
 
     def source_split(self, source: str) -> str:
         """The split a source string belongs to (a BLAKE2 hash, independent of the seed)."""
-        bucket = _hash_int("qkv.data.tasks/heldout", self.name, source) % 40
+        bucket = hash_int("qkv.data.tasks/heldout", self.name, source) % 40
         return "valid" if bucket == 0 else "test" if bucket == 1 else "train"
 
     def _draw(self, rng: random.Random) -> tuple[str, str]:  # pragma: no cover - overridden

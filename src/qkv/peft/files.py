@@ -50,7 +50,7 @@ from . import adapters, lora, prefix
 from .checks import check_finite, check_header, read_header
 from .config import LoraConfig
 from .kind_files import CONFIG_NAME, WEIGHTS_NAME
-from .lora import _sites, _states, attach, plain_path, plan_updates
+from .lora import attach, lora_sites, lora_states, plain_path, plan_updates
 
 __all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "adapter_file_kind", "adapter_shapes", "load_adapter",
            "save_adapter"]
@@ -106,7 +106,7 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, name: str | None 
 
 def _save_lora(model: nn.Module, path: str | os.PathLike, name: str) -> Path:
     tensors, config = {}, None
-    for site, state in _states(model):
+    for site, state in lora_states(model):
         if name in state:
             update = state[name]
             config = update.config
@@ -329,7 +329,7 @@ def _from_peft(model: nn.Module, meta: dict, tensors: dict[str, Any], path: Path
     except ValueError as err:
         raise CheckpointError(f"{where}: {err}") from err
     for role in config.targets:  # every layer, as a qkv config targets them
-        want = {plain_path(s.path) for s in _sites(model) if role in s.roles}
+        want = {plain_path(s.path) for s in lora_sites(model) if role in s.roles}
         have = {s for s, roles in roles_by_site.items() if role in roles}
         if have != want:
             raise CheckpointError(f"{path / WEIGHTS_NAME}: LoRA on role {role!r} covers "

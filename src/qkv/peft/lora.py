@@ -37,247 +37,47 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import re
 from collections.abc import Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from ..modules.attention import MultiHeadAttention
 from ..modules.feedforward import FeedForward, SwiGLU
 from ..modules.linear_attention import LinearAttention
 from ..modules.quantized import QuantizedLinear
-from ..ops.fast_linear import fast_linear
 from .config import LoraConfig
-from .lora_function import LoraLinearFunction, fusable
+from .lora_layers import LoraLinear, LoraState, LoraUpdate
 from .saving import refresh_save_guard
 
-__all__ = ["LoraLinear", "LoraState", "LoraUpdate", "active_adapter", "adapter_names",
-           "adapter_rows", "add_lora", "disable_adapters", "merge", "planned_shapes",
-           "set_adapter", "unload", "unmerge"]
+__all__ = ["LoraLinear", "LoraSite", "LoraState", "LoraUpdate", "active_adapter",
+           "adapter_names", "adapter_rows", "add_lora", "disable_adapters", "lora_sites",
+           "lora_states", "merge", "planned_shapes", "set_adapter", "unload", "unmerge"]
 
 BASE = "base"  # the row name of ``adapter_rows`` for "no adapter"
 _NAME = re.compile(r"[A-Za-z0-9_\-]+")
 
 
-class LoraUpdate(nn.Module):
-    """One adapter's update of one projection: for each segment (role, lo, hi) parameters
-    ``A_<role>`` (r, In), Kaiming-uniform (a = √5, as HF PEFT), and ``B_<role>``
-    (hi - lo, r), zeros. ``delta(x)`` is scale · B A dropout(x) on the rows asked for.
-
-    Args:
-        config: the adapter's ``LoraConfig`` (r, scale, dropout).
-        segments: ((role, lo, hi), ...) sorted, disjoint row ranges of the projection.
-        in_features: In.
-        device, dtype: of the parameters (the base weight's).
-    """
-
-    def __init__(self, config: LoraConfig, segments: Sequence[tuple[str, int, int]],
-                 in_features: int, *, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.config = config
-        self.segments = tuple(sorted(segments, key=lambda s: s[1]))
-        self.r, self.scale, self.dropout = config.r, config.scale, config.dropout
-        for role, lo, hi in self.segments:
-            a = nn.Parameter(torch.empty(config.r, in_features, device=device, dtype=dtype))
-            nn.init.kaiming_uniform_(a, a=math.sqrt(5))
-            b = nn.Parameter(torch.zeros(hi - lo, config.r, device=device, dtype=dtype))
-            self.register_parameter(f"A_{role}", a)  # (r, In)
-            self.register_parameter(f"B_{role}", b)  # (Rows, r)
-
-    def factors(self, start: int, stop: int) -> tuple[Tensor, Tensor] | None:
-        """(A_cat (S·r, In), scale · B_blockdiag (stop - start, S·r)) for output rows
-        [start, stop), or None when no segment meets them."""
-        segs = [s for s in self.segments if s[1] < stop and s[2] > start]
-        if not segs:
-            return None
-        r, cols = self.r, self.r * len(segs)
-        a_parts = [getattr(self, f"A_{role}") for role, _, _ in segs]
-        a = a_parts[0] if len(a_parts) == 1 else torch.cat(a_parts)  # (S·r, In)
-        pieces, cur = [], start
-        for j, (role, lo, hi) in enumerate(segs):
-            lo2, hi2 = max(lo, start), min(hi, stop)
-            if lo2 > cur:
-                pieces.append(a.new_zeros(lo2 - cur, cols))  # untargeted rows
-            b = getattr(self, f"B_{role}")[lo2 - lo:hi2 - lo]  # (rows, r)
-            if len(segs) > 1:
-                b = F.pad(b, (j * r, cols - (j + 1) * r))  # (rows, S·r), its own columns
-            pieces.append(b)
-            cur = hi2
-        if cur < stop:
-            pieces.append(a.new_zeros(stop - cur, cols))
-        b = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # (stop - start, S·r)
-        return a, b * self.scale
-
-    def _hidden(self, x: Tensor, start: int, stop: int, training: bool
-                ) -> tuple[Tensor, Tensor] | None:
-        f = self.factors(start, stop)
-        if f is None:
-            return None
-        a, b = f
-        if self.dropout and training:
-            x = F.dropout(x, self.dropout, training=True)
-        return F.linear(x, a), b  # h (..., S·r), scale · B (stop - start, S·r)
-
-    def delta(self, x: Tensor, start: int, stop: int, training: bool) -> Tensor | None:
-        """scale · dropout(x) Aᵀ Bᵀ on rows [start, stop): x (..., In) -> (..., stop - start),
-        or None when no segment meets those rows."""
-        hb = self._hidden(x, start, stop, training)
-        return None if hb is None else F.linear(*hb)
-
-    def add_to(self, out: Tensor, x: Tensor, start: int, stop: int, training: bool) -> Tensor:
-        """out (..., stop - start) + ``delta(x, start, stop)`` in one addmm; x (..., In)."""
-        hb = self._hidden(x, start, stop, training)
-        if hb is None:
-            return out
-        h, b = hb
-        shape = out.shape
-        out2 = torch.addmm(out.reshape(-1, shape[-1]), h.reshape(-1, h.shape[-1]), b.t())
-        return out2.view(shape)  # (..., stop - start)
-
-    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None, start: int, stop: int,
-               training: bool) -> Tensor:
-        """The base rows plus this update: ``F.linear(x, weight, bias)`` + ``delta(x, start,
-        stop)``, with ``weight`` (stop - start, In) and ``bias`` (stop - start,) or None the
-        base layer's rows [start, stop). x (..., In) -> (..., stop - start).
-
-        One ``LoraLinearFunction`` where ``fusable``; otherwise the composed ops."""
-        segs = [s for s in self.segments if s[1] < stop and s[2] > start]
-        params = [getattr(self, f"{k}_{role}") for role, _, _ in segs for k in "AB"]
-        if not segs or not fusable(x, weight, bias, *params):
-            return self.add_to(fast_linear(x, weight, bias), x, start, stop, training)
-        spans, ab = [], []
-        for role, lo, hi in segs:
-            lo2, hi2 = max(lo, start), min(hi, stop)
-            spans.append((lo2 - start, hi2 - start))
-            b = getattr(self, f"B_{role}")
-            ab += [getattr(self, f"A_{role}"), b if (lo2, hi2) == (lo, hi)
-                   else b[lo2 - lo:hi2 - lo]]  # A (r, In), B (hi2 - lo2, r)
-        x2 = x.reshape(-1, x.shape[-1])  # (M, In)
-        xd = (F.dropout(x2, self.dropout, training=True) if self.dropout and training
-              else None)
-        y = LoraLinearFunction.apply(x2, xd, weight, bias, self.scale, tuple(spans), *ab)
-        return y.view(*x.shape[:-1], stop - start)  # (..., stop - start)
-
-    def delta_weight(self, out_features: int) -> Tensor:
-        """scale · B A over all Out rows (zeros outside the segments), (Out, In), computed in
-        at least fp32."""
-        a, b = self.factors(0, out_features)
-        cdt = torch.promote_types(a.dtype, torch.float32)
-        return b.detach().to(cdt) @ a.detach().to(cdt)
-
-    def extra_repr(self) -> str:
-        roles = "+".join(role for role, _, _ in self.segments)
-        return f"r={self.r}, scale={self.scale:g}, roles={roles}"
-
-
-class LoraState(nn.ModuleDict):
-    """The ``lora`` submodule of a targeted projection: adapter name -> ``LoraUpdate``, and
-    the model-wide switches every projection mirrors: ``active`` (adapter name or None),
-    ``merged`` (the adapter folded into the weight, or None), ``disabled`` and ``rows`` (the
-    per-row adapter names of ``adapter_rows``, or None)."""
-
-    ADAPTER_KIND = "lora"  # what ``qkv.peft.saving`` reads
-
-    def __init__(self, roles: dict[str, tuple[int, int]], out_features: int) -> None:
-        super().__init__()
-        self.roles = dict(roles)
-        self.out_features = out_features
-        self.active: str | None = None
-        self.merged: str | None = None
-        self.disabled = False
-        self.rows: tuple[str, ...] | None = None
-        self._row_index: dict[str, Tensor] = {}
-
-    def engaged(self) -> bool:
-        """True when this projection must compute an update (a ``LoraLinear`` in place)."""
-        if self.disabled:
-            return False
-        if self.rows is not None:
-            return any(name in self for name in set(self.rows))
-        return self.merged is None and self.active is not None and self.active in self
-
-    def set_rows(self, rows: tuple[str, ...] | None) -> None:
-        self.rows = rows
-        self._row_index = {}
-        if rows is not None:
-            for name in dict.fromkeys(rows):
-                if name in self:
-                    self._row_index[name] = torch.tensor(
-                        [i for i, n in enumerate(rows) if n == name])  # (b,)
-
-    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None, start: int, stop: int,
-               training: bool) -> Tensor:
-        """``F.linear(x, weight, bias)`` (the base rows [start, stop)) plus the engaged
-        update(s): x (B, ..., In) -> (B, ..., stop - start)."""
-        if self.rows is None:
-            return self[self.active].linear(x, weight, bias, start, stop, training)
-        return self.add_to(fast_linear(x, weight, bias), x, start, stop, training)
-
-    def add_to(self, out: Tensor, x: Tensor, start: int, stop: int, training: bool) -> Tensor:
-        """out (B, ..., stop - start) plus the engaged update(s) of x (B, ..., In)."""
-        if self.rows is None:
-            return self[self.active].add_to(out, x, start, stop, training)
-        if x.dim() < 2 or x.shape[0] != len(self.rows):
-            raise ValueError(f"adapter_rows: {len(self.rows)} row names, but a projection got "
-                             f"input of shape {tuple(x.shape)} (batch first; generation with "
-                             f"beams or a changed batch is not supported per row)")
-        for name, idx in self._row_index.items():
-            idx = idx.to(x.device)
-            delta = self[name].delta(x.index_select(0, idx), start, stop,
-                                     training)  # (b, ..., stop - start)
-            if delta is not None:
-                out = out.index_add(0, idx, delta)
-        return out
-
-
-class LoraLinear(nn.Module):
-    """A linear layer with its LoRA updates: ``weight`` (Out, In) and ``bias`` (Out,) are the
-    base layer's own Parameters (same state-dict keys), ``lora`` its ``LoraState``.
-
-    forward: x (..., In) -> (..., Out) = F.linear(x, weight, bias) + the engaged update (one
-    ``LoraLinearFunction`` where it may; see the module docstring).
-    """
-
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None,
-                 lora: LoraState) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.weight = weight
-        self.register_parameter("bias", bias)
-        self.lora = lora
-
-    def forward(self, x: Tensor) -> Tensor:
-        """x (..., In) -> (..., Out)."""
-        return self.lora.linear(x, self.weight, self.bias, 0, self.out_features, self.training)
-
-    def project_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
-        """Output rows [start, stop) only: x (..., In) -> (..., stop - start)."""
-        b = None if self.bias is None else self.bias[start:stop]
-        return self.lora.linear(x, self.weight[start:stop], b, start, stop, self.training)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}")
-
-
 # --- finding the projections ----------------------------------------------------------------
 @dataclasses.dataclass
-class _Site:
+class LoraSite:
+    """A projection a LoRA target can name: ``parent.<attr>`` is the linear (or the
+    ``LoraLinear`` around it) at module path ``path``."""
+
     parent: nn.Module
     attr: str
     path: str  # module path of the linear, e.g. "layers.0.attn.in_proj"
-    roles: dict[str, tuple[int, int]]
+    roles: dict[str, tuple[int, int]]  # role ("q", "k", "v", "qkv", "out"...) -> output rows
 
     @property
     def linear(self) -> nn.Module:
+        """The module at the site now (a plain linear or a ``LoraLinear``)."""
         return getattr(self.parent, self.attr)
 
     @property
     def state(self) -> LoraState | None:
+        """The site's LoRA adapters, or None when it has none."""
         s = getattr(self.linear, "lora", None)
         return s if isinstance(s, LoraState) else None
 
@@ -296,7 +96,7 @@ def _fused_roles(splits: tuple[int, int, int]) -> dict[str, tuple[int, int]]:
     return {"q": (0, q), "k": (q, q + k), "v": (q + k, q + k + v), "qkv": (0, q + k + v)}
 
 
-def _sites(model: nn.Module, fn: str = "qkv.peft") -> list[_Site]:
+def lora_sites(model: nn.Module, fn: str = "qkv.peft") -> list[LoraSite]:
     """Every projection a LoRA target can name, in module order (``fn``: the caller, for
     errors)."""
     sites = []
@@ -325,15 +125,17 @@ def _sites(model: nn.Module, fn: str = "qkv.peft") -> list[_Site]:
             if type(lin) is not nn.Linear and not isinstance(lin, LoraLinear):
                 raise TypeError(f"qkv.peft: {pre}{attr} is a {type(lin).__name__}, not an "
                                 f"nn.Linear; LoRA wraps plain linear projections")
-            sites.append(_Site(mod, attr, pre + attr, roles))
+            sites.append(LoraSite(mod, attr, pre + attr, roles))
     return sites
 
 
-def _states(model: nn.Module, fn: str = "qkv.peft") -> list[tuple[_Site, LoraState]]:
-    return [(s, s.state) for s in _sites(model, fn) if s.state is not None]
+def lora_states(model: nn.Module, fn: str = "qkv.peft") -> list[tuple[LoraSite, LoraState]]:
+    """(site, its ``LoraState``) of every projection that holds LoRA adapters, in module
+    order (``fn``: the caller, for errors)."""
+    return [(s, s.state) for s in lora_sites(model, fn) if s.state is not None]
 
 
-def _swap(site: _Site, state: LoraState) -> None:
+def _swap(site: LoraSite, state: LoraState) -> None:
     """Put a ``LoraLinear`` or a plain ``nn.Linear`` (carrying ``state``) in place, as
     ``state.engaged()`` asks; both share the same weight and bias Parameters."""
     lin = site.linear
@@ -351,13 +153,13 @@ def _swap(site: _Site, state: LoraState) -> None:
     setattr(site.parent, site.attr, new)
 
 
-def _sync(states: list[tuple[_Site, LoraState]]) -> None:
+def _sync(states: list[tuple[LoraSite, LoraState]]) -> None:
     for site, state in states:
         _swap(site, state)
 
 
-def _require(model: nn.Module, fn: str) -> list[tuple[_Site, LoraState]]:
-    states = _states(model, fn)
+def _require(model: nn.Module, fn: str) -> list[tuple[LoraSite, LoraState]]:
+    states = lora_states(model, fn)
     if not states:
         raise ValueError(f"{fn}: the model has no LoRA adapter (add_lora / load_adapter)")
     return states
@@ -366,14 +168,14 @@ def _require(model: nn.Module, fn: str) -> list[tuple[_Site, LoraState]]:
 def adapter_names(model: nn.Module) -> list[str]:
     """The LoRA adapter names of ``model``, in the order they were added."""
     names: dict[str, None] = {}
-    for _, state in _states(model):
+    for _, state in lora_states(model):
         names.update(dict.fromkeys(state.keys()))
     return list(names)
 
 
 def active_adapter(model: nn.Module) -> str | None:
     """The active adapter's name (None when the model has no adapter)."""
-    states = _states(model)
+    states = lora_states(model)
     return states[0][1].active if states else None
 
 
@@ -385,7 +187,7 @@ def _check_name(name: object) -> str:
     return name
 
 
-def _check_unmerged(states: list[tuple[_Site, LoraState]], fn: str) -> None:
+def _check_unmerged(states: list[tuple[LoraSite, LoraState]], fn: str) -> None:
     merged = {state.merged for _, state in states} - {None}
     if merged:
         raise ValueError(f"{fn}: adapter {sorted(merged)[0]!r} is merged into the weights; "
@@ -395,13 +197,13 @@ def _check_unmerged(states: list[tuple[_Site, LoraState]], fn: str) -> None:
 # --- building adapters ----------------------------------------------------------------------
 def _plan_segments(model: nn.Module, config: LoraConfig, name: str,
                    roles_by_site: dict[str, tuple[str, ...]] | None
-                   ) -> list[tuple[_Site, list[tuple[str, int, int]]]]:
+                   ) -> list[tuple[LoraSite, list[tuple[str, int, int]]]]:
     """(site, its (role, lo, hi) segments) of every projection adapter ``name`` would
     update; every check of ``plan_updates``, nothing allocated."""
     if not isinstance(config, LoraConfig):
         raise TypeError(f"qkv.peft: config must be a LoraConfig, got {type(config).__name__}")
     _check_name(name)
-    sites = _sites(model, "add_lora")
+    sites = lora_sites(model, "add_lora")
     states = [(s, s.state) for s in sites if s.state is not None]
     _check_unmerged(states, "add_lora")
     if any(state.disabled or state.rows is not None for _, state in states):
@@ -426,7 +228,7 @@ def _plan_segments(model: nn.Module, config: LoraConfig, name: str,
 
 def plan_updates(model: nn.Module, config: LoraConfig, name: str,
                  roles_by_site: dict[str, tuple[str, ...]] | None = None
-                 ) -> list[tuple[_Site, LoraUpdate]]:
+                 ) -> list[tuple[LoraSite, LoraUpdate]]:
     """New (site, ``LoraUpdate``) pairs for adapter ``name`` on ``model`` — nothing attached
     yet. ``roles_by_site`` (path -> roles) overrides ``config.targets`` per projection.
 
@@ -459,7 +261,7 @@ def planned_shapes(model: nn.Module, config: LoraConfig, *, name: str = "default
     return shapes
 
 
-def attach(model: nn.Module, plan: list[tuple[_Site, LoraUpdate]], name: str) -> None:
+def attach(model: nn.Module, plan: list[tuple[LoraSite, LoraUpdate]], name: str) -> None:
     """Attach a ``plan_updates`` plan as adapter ``name``: every other parameter is frozen,
     ``name`` becomes the active adapter."""
     for p in model.parameters():

@@ -1,5 +1,5 @@
 """The fused LoRA linear: one autograd Function for a LoRA-wrapped linear layer with one
-active adapter (``qkv.peft.lora.LoraUpdate`` uses it when ``fusable`` says it may).
+active adapter (``qkv.peft.lora_layers.LoraUpdate`` uses it when ``fusable`` says it may).
 
 Shapes: M rows, In / Out the layer's widths, r the rank, S the segments (q, k, v of a fused
 projection: each segment j has its own A_j (r, In) and B_j (hi_j - lo_j, r)).

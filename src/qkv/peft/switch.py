@@ -89,7 +89,7 @@ def set_adapter(model: nn.Module, name: str) -> None:
     if name not in kinds:
         raise ValueError(f"set_adapter: no adapter named {name!r}; the model has "
                          f"{list(kinds)}")
-    states = lora._states(model)
+    states = lora.lora_states(model)
     if states:
         if "lora" in kinds[name]:
             lora.set_adapter(model, name)
@@ -117,7 +117,7 @@ def disable_adapters(model: nn.Module) -> Iterator[None]:
         ValueError: the model has no adapter; a LoRA adapter is merged (``unmerge`` first).
     """
     wrappers = _wrappers(model)
-    has_lora = bool(lora._states(model))
+    has_lora = bool(lora.lora_states(model))
     if not has_lora and not wrappers:
         raise ValueError("disable_adapters: the model has no adapter (add_lora, add_adapters, "
                          "add_prefix or load_adapter)")
