@@ -1,5 +1,5 @@
 """``qkv demo`` (dates): the quick run end to end; the full demo reaches its bar (slow; its run
-is shared with tests/demos/test_lora_demo.py's full test, see tests/demos/conftest.py)."""
+is shared with tests/demos/test_lora_demo.py's full test, see tests/shared_runs.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import pytest
 
 from qkv.cli import main
 from qkv.train import load_run
+
+pytest_plugins = ["shared_runs"]  # full_dates_demo, shared_runs: tests/shared_runs.py
 
 
 def run_demo(tmp_path, capsys, *extra: str) -> tuple[str, dict]:
@@ -36,7 +38,7 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
 def test_full_demo_reaches_95_percent(full_dates_demo):
     """The issue's bar: >= 95 % exact match on 1,000 held-out dates. (Its 3-minute budget is
     a benchmark, recorded in BENCHMARKS.md, not asserted here.) The run, ``qkv demo --out
-    DIR`` as written, is built once per session (tests/demos/conftest.py): the LoRA demo's
+    DIR`` as written, is built once per session (tests/shared_runs.py): the LoRA demo's
     full test adapts it."""
     run = full_dates_demo()
     printed = run.printed

@@ -3,7 +3,7 @@ lines printed, the base intact with the adapter disabled), reusing a base with `
 refusals of bases that are not a dates encoder-decoder run; the base it trains is ``qkv
 demo``'s own run (the same TrainConfig); the full demo reaches its bar (slow), on the full
 ``qkv demo`` run of tests/demos/test_dates_demo.py given as ``--base`` (built once per
-session: tests/demos/conftest.py).
+session: tests/shared_runs.py).
 
 Oracles written here: the trainable-parameter count from the model's shapes (2·r·C per square
 projection role, r·(C+F) per feed-forward linear), the adapter file's tensors counted with
@@ -26,6 +26,8 @@ from qkv.generation import translate
 from qkv.peft import disable_adapters
 from qkv.train import TrainConfig, Trainer, exact_match, load_run
 from qkv.train.kinds import get_kind
+
+pytest_plugins = ["shared_runs"]  # full_dates_demo, shared_runs: tests/shared_runs.py
 
 LINES = {
     "exact": r"^exact match: (\d+\.\d)% on (\d+) held-out dates",

@@ -1,4 +1,4 @@
-"""tests/demos/conftest.py's shared runs: one build per session across pytest-xdist workers,
+"""tests/shared_runs.py's shared runs: one build per session across pytest-xdist workers,
 the same run for every test that asks, a failed build failing the others at once.
 
 Oracle: an inner pytest session (pytester) with that conftest, two xdist workers and
@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 pytest_plugins = ["pytester"]
-CONFTEST = (Path(__file__).parent / "conftest.py").read_text(encoding="utf-8")
+CONFTEST = (Path(__file__).parents[1] / "shared_runs.py").read_text(encoding="utf-8")
 
 INNER = """
 import os

@@ -1,4 +1,7 @@
-"""Fixtures of the demo tests: full demo runs built once per session and shared.
+"""Fixtures of the demo tests (registered by tests/conftest.py, which imports them): full
+demo runs built once per session and shared. A module of its own, not tests/demos/conftest.py:
+a second conftest.py would take the module name ``conftest`` that the tests import
+``run_bounded`` from.
 
 A full demo trains for minutes; where two slow tests need the same run, it is built once.
 Under pytest-xdist every worker has its own session fixtures, and ``--dist loadfile`` may put
