@@ -162,7 +162,7 @@ def test_a_run_that_dies_before_its_first_checkpoint_can_be_rerun(tmp_path, monk
 
 def test_a_refused_setup_keeps_the_users_files(tmp_path, monkeypatch):
     """A failure while a new run writes its first files removes only what it wrote."""
-    from qkv.train import trainer as trainer_module
+    from qkv.train import rundir as trainer_module  # run.json is written there
 
     run = tmp_path / "run"
     run.mkdir()

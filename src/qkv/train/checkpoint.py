@@ -25,7 +25,7 @@ the two renames, ``checkpoint.old``, which ``find_checkpoint`` falls back to. Ev
 the new checkpoint and its directory are fsynced before the renames, and the run directory
 after them, so a power cut cannot leave a renamed-in checkpoint whose files are still empty.
 Only one process writes a run directory at a time (``qkv.train.rundir.RunDirLock``).
-``find_checkpoint`` and the three directory names are ``qkv.train.layout``'s, named here too.
+``find_checkpoint`` and the three directory names are ``qkv.train.rundir``'s, named here too.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from torch import nn
 from ..files import CheckpointError, atomic_write, read_json
 from ..models import from_pretrained, registry
 from .kinds import get_kind
-from .layout import CHECKPOINT_DIR, OLD_DIR, TMP_DIR, find_checkpoint
+from .rundir import CHECKPOINT_DIR, OLD_DIR, TMP_DIR, find_checkpoint
 
 __all__ = ["CHECKPOINT_DIR", "MODEL_CLASSES", "OLD_DIR", "TMP_DIR", "find_checkpoint", "load_run",
            "load_trainer_state", "read_run_info", "save_checkpoint", "trained_on_pairs"]

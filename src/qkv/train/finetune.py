@@ -47,8 +47,8 @@ from ..files import ADAPTER_MARK, QUANT_NAME, CheckpointError, read_json
 from ..models import from_pretrained
 from .data import file_fingerprint
 from .kinds import kind_of_model, kind_of_model_type
-from .layout import find_checkpoint
 from .memory import check_adapter_fits
+from .rundir import find_checkpoint
 
 __all__ = ["BASE_JSON", "PEFT_KINDS", "BaseModel", "attach_peft", "base_model_kind",
            "check_base", "config_sha256", "is_adapter_checkpoint", "load_adapter_run",
@@ -245,8 +245,8 @@ def load_base(init_from: str | os.PathLike, want: str) -> BaseModel:
             without its masked-LM head.
     """
     ckpt = _base_dir(init_from)
-    sha = file_fingerprint(ckpt / "model.safetensors")["sha256"]
     config_sha = config_sha256(ckpt)
+    sha = file_fingerprint(ckpt / "model.safetensors")["sha256"]
     model = from_pretrained(ckpt)  # a qkv checkpoint, or a HF GPT-2 / BERT directory
     kind = kind_of_model(model)
     if kind.name != want:

@@ -52,8 +52,9 @@ import torch
 from torch import nn
 
 __all__ = ["MemoryEstimate", "adapter_bytes", "available_bytes", "check_adapter_fits",
-           "check_estimate_fits", "check_training_fits", "estimate_stacks_bytes",
-           "estimate_training_bytes", "format_bytes", "scale_estimate"]
+           "check_estimate_fits", "check_step_fits", "check_training_fits",
+           "estimate_stacks_bytes", "estimate_training_bytes", "format_bytes",
+           "scale_estimate"]
 
 FP32 = 4
 
@@ -208,6 +209,12 @@ def check_training_fits(model: nn.Module, *, batch_size: int, seq_len: int,
                                what=what)
 
 
+def _where(device: torch.device | None) -> str:
+    """How a refusal names the memory it measured: the CUDA device's, or the machine's."""
+    return (f"{device.type} device" if device is not None and device.type == "cuda"
+            else "this machine")
+
+
 def check_estimate_fits(est: MemoryEstimate, *, batch_size: int, seq_len: int,
                         device: torch.device | None = None,
                         what: str = "this run") -> MemoryEstimate:
@@ -218,12 +225,30 @@ def check_estimate_fits(est: MemoryEstimate, *, batch_size: int, seq_len: int,
     if have is None or est.total <= have:
         return est
     parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in est.items() if v)
-    where = f"{device.type} device" if device is not None and device.type == "cuda" else \
-        "this machine"
+    where = _where(device)
     raise ValueError(f"{what} needs at least {format_bytes(est.total)} of memory ({parts}; "
                      f"batch_size={batch_size} x {seq_len} tokens) but {where} has "
                      f"{format_bytes(have)} available; lower --max-len, --batch-size, "
                      f"--eval-examples or the model size")
+
+
+def check_step_fits(kind: Any, model: nn.Module, config: Any, *, processes: int,
+                    seq_len: int, max_len: int, device: torch.device | None = None,
+                    doing: str = "training") -> MemoryEstimate:
+    """Refuse an optimizer step of a run of ``config`` (a ``TrainConfig``) that cannot fit in
+    memory: one micro-batch of this process's rows at a time (``batch_size / processes /
+    grad_accum`` examples of up to ``seq_len`` tokens, estimated by ``kind.estimate_memory``
+    on ``model``, best on the meta device); parameters, gradients and optimizer state split
+    over the ``processes`` under ``fsdp``; activations of checkpointed layers
+    (``scale_estimate``). ``ValueError`` as ``check_estimate_fits``, naming ``doing``, the
+    model kind and ``max_len``; returns the estimate otherwise."""
+    micro = config.batch_size // processes // config.grad_accum
+    estimate = kind.estimate_memory(model, batch_size=micro, seq_len=seq_len,
+                                    eval_examples=config.eval_examples)
+    estimate = scale_estimate(estimate, model, shards=processes if config.fsdp else 1,
+                              checkpointing=config.activation_checkpointing)
+    return check_estimate_fits(estimate, batch_size=micro, seq_len=seq_len, device=device,
+                               what=f"{doing} {config.model} (max_len={max_len})")
 
 
 def adapter_bytes(parameters: int) -> int:
@@ -241,8 +266,7 @@ def check_adapter_fits(parameters: int, *, what: str = "the adapter", lower: str
     need = adapter_bytes(parameters)
     have = available_bytes(device)
     if have is not None and need > have:
-        where = f"{device.type} device" if device is not None and device.type == "cuda" else \
-            "this machine"
+        where = _where(device)
         raise ValueError(f"{what} adds {int(parameters):,} parameters, which need at least "
                          f"{format_bytes(need)} (fp32 weights, gradients and AdamW moments, "
                          f"16 bytes each) but {where} has {format_bytes(have)} available; "

@@ -1,7 +1,16 @@
-"""What ``Trainer.resume`` checks before a run goes on: its run.json read back with the
-changes a resume may make (``steps``, ``grad_accum``, ``activation_checkpointing``; ``fsdp``
-and ``precision`` are fixed for a run), and its data file unchanged since the run began (the
-size and SHA-256 that run.json records, as the model kind takes them).
+"""Resuming a run: ``open_run`` does every check and load of a resume, in order, and returns
+what the trainer continues (``Resumed``: the run's config, model, tokenizer, data, and the
+trainer state it restores once the model is placed). The checks: the lock taken first (no
+other writer may change what is checked), the checkpoint found (or why there is none),
+run.json against the checkpoint's copy, the data file unchanged since the run began (the
+size and SHA-256 that run.json records, as the model kind takes them, put there by
+``qkv.train.fingerprint``), ``fsdp`` as the checkpoint was written.
+``resumed_config`` is the run.json read back with the changes a resume may make
+(``steps``, ``grad_accum``, ``activation_checkpointing``; ``fsdp`` and ``precision`` are
+fixed for a run).
+
+A refusal leaves the directory as it was: nothing is written here (the run directory's
+rewrite is ``qkv.train.rundir.RunDirClaim.continue_from``).
 
 Shapes: none (settings and files only).
 """
@@ -13,11 +22,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..files import CheckpointError, read_json
-from .config import TrainConfig
-from .kinds import ModelKind
+import torch
+from torch import nn
 
-__all__ = ["check_data_unchanged", "data_fingerprint", "resumed_config"]
+from ..files import CheckpointError, read_json
+from .begin import RunStart
+from .checkpoint import load_run, load_trainer_state
+from .config import TrainConfig
+from .finetune import BASE_JSON
+from .fingerprint import check_data_unchanged, data_fingerprint
+from .kinds import ModelKind
+from .rundir import RunDirClaim, check_checkpoint_agrees, resume_checkpoint
+from .sharded_checkpoint import (
+    build_checkpoint_model,
+    is_sharded_checkpoint,
+    load_sharded_checkpoint,
+)
+
+__all__ = ["Resumed", "check_data_unchanged", "data_fingerprint", "open_run", "resumed_config"]
 
 
 def resumed_config(out_dir: Path, *, steps: int | None = None, grad_accum: int | None = None,
@@ -62,46 +84,64 @@ def resumed_config(out_dir: Path, *, steps: int | None = None, grad_accum: int |
     return config
 
 
-def data_fingerprint(kind: ModelKind, path: Path) -> dict[str, Any]:
-    """The data's fingerprint as ``kind`` takes it (a file's bytes, a folder's).
+@dataclasses.dataclass
+class Resumed(RunStart):
+    """What a resume continues (``open_run``): a ``qkv.train.begin.RunStart`` (``config``
+    as run.json will record it; ``model`` on the CPU, a sharded run's still without its
+    weights, which ``restore`` fills after sharding; ``tokenizer``; ``data``; ``max_len``;
+    ``base``, an adapter run's base.json, checked against its base) and where it continues:
+    ``out`` (the run directory) and ``checkpoint`` (its checkpoint directory)."""
+
+    out: Path
+    checkpoint: Path
+
+    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+        """Load the trainer state into ``model`` (placed: sharded or wrapped) and
+        ``optimizer`` — a sharded run's weights too — and the torch RNG; returns the step.
+
+        Raises:
+            CheckpointError: the state does not fit the model / optimizer.
+            ValueError: the run is already at ``config.steps`` or beyond."""
+        state = (load_sharded_checkpoint(self.checkpoint, model=model, optimizer=optimizer)
+                 if self.config.fsdp else load_trainer_state(self.checkpoint, optimizer))
+        step = state["step"]
+        if step >= self.config.steps:
+            raise ValueError(f"{self.out} is already at step {step}; give --steps "
+                             f"greater than {step} to continue it")
+        return step
+
+
+def open_run(config: TrainConfig, out: Path, *, kind: ModelKind, claim: RunDirClaim,
+             accept_changed_data: bool, note: Callable[[str], Any]) -> Resumed:
+    """Every check and load of a resume of the run in ``out`` with ``config``
+    (``resumed_config``), before anything is written: ``claim``'s lock taken, the
+    checkpoint found (``resume_checkpoint``), run.json against the checkpoint's copy, the
+    data file unchanged (``check_data_unchanged``; ``note`` gets its lines), ``fsdp`` as the
+    checkpoint was written; then the model and tokenizer (an adapter run: its base checked),
+    and the kind's data.
 
     Raises:
-        CheckpointError: the data cannot be read."""
-    try:
-        return kind.data_fingerprint(path)
-    except OSError as exc:
-        raise CheckpointError(f"--data {path}: cannot read it: {exc}") from exc
+        RunDirBusyError: another process holds the directory.
+        CheckpointError: any check above refused."""
+    claim.take_lock()  # before reading: no other writer may change what we check
+    ckpt = resume_checkpoint(out, config.eval_every)
+    check_checkpoint_agrees(out, ckpt, config)
+    config = check_data_unchanged(config, out, kind, accept_changed=accept_changed_data,
+                                  note=note)
+    sharded = is_sharded_checkpoint(ckpt)
+    if sharded != config.fsdp:
+        raise CheckpointError(
+            f"{ckpt} is {'a sharded' if sharded else 'a plain'} checkpoint but run.json "
+            f"says fsdp={config.fsdp}: fsdp is fixed for a run; restore run.json from "
+            f"{ckpt / 'run.json'}")
+    if sharded:  # weights come with the optimizer state, after sharding (restore)
+        from ..data import read_tokenizer
 
-
-def check_data_unchanged(config: TrainConfig, out_dir: Path, kind: ModelKind, *,
-                         accept_changed: bool, note: Callable[[str], Any]) -> TrainConfig:
-    """The data file of a resumed run must be the one the run began with (size and SHA-256
-    in run.json); returns the config with the fingerprint to record. ``note`` gets a line
-    when run.json holds no fingerprint, or when a changed file is accepted.
-
-    Raises:
-        CheckpointError: the file is missing, unreadable, or changed (unless
-            ``accept_changed``)."""
-    if config.data is None:
-        return config
-    path = Path(config.data)
-    if not path.exists():
-        raise CheckpointError(f"{out_dir}: the run's data file {path} is missing; a "
-                              f"resume trains on the file the run began with")
-    now = data_fingerprint(kind, path)
-    before = config.data_fingerprint
-    if before is None:
-        note(f"note: {out_dir / 'run.json'} holds no fingerprint of {path} (a run "
-             f"from an older qkv): cannot check that the file is unchanged since the "
-             f"run began; recording it now")
-    elif now != before:
-        change = (f"size {before['size']} -> {now['size']} bytes, sha256 "
-                  f"{before['sha256'][:12]}... -> {now['sha256'][:12]}...")
-        if not accept_changed:
-            raise CheckpointError(
-                f"--data {path} changed since the run in {out_dir} began ({change}): "
-                f"resuming on other data is not the same run (and may fail); restore the "
-                f"file, or pass --accept-changed-data to continue on it anyway")
-        note(f"note: continuing {out_dir} on the changed {path} ({change}), as "
-             f"--accept-changed-data asks; the run is no longer reproducible")
-    return dataclasses.replace(config, data_fingerprint=now)
+        model, tokenizer = build_checkpoint_model(ckpt), read_tokenizer(ckpt / "tokenizer.json")
+    else:
+        model, tokenizer = load_run(ckpt)  # an adapter run: base checked
+    # an adapter run's base.json, checked against its base by load_run just now
+    base = read_json(ckpt / BASE_JSON) if (ckpt / BASE_JSON).is_file() else None
+    max_len = kind.max_len_of(model)
+    return Resumed(config, model, tokenizer, kind.load_data(config, tokenizer, max_len),
+                   max_len, base, out=out, checkpoint=ckpt)

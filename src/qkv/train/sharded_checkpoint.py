@@ -47,7 +47,7 @@ from torch import nn
 
 from ..files import FSDP_MARK, CheckpointError, atomic_write, read_json
 from ..models import registry
-from .layout import CHECKPOINT_DIR, OLD_DIR, TMP_DIR, find_checkpoint
+from .rundir import CHECKPOINT_DIR, OLD_DIR, TMP_DIR, find_checkpoint
 
 __all__ = ["SHARDED_DIR", "build_checkpoint_model", "export_sharded", "is_sharded_checkpoint",
            "load_sharded_checkpoint", "load_sharded_model", "read_sharded_checkpoint",

@@ -34,14 +34,13 @@ The trainer never asks which kind it trains: data, model, batch, loss, evaluatio
 estimate and what follows an optimizer step come from the kind object
 (``qkv.train.kinds.get_kind(config.model)``). Beside this loop: ``qkv.train.step`` (one
 optimizer step: objective, placement over the processes, optimizer, batch rows, precision),
-``qkv.train.claim`` (the run directory claimed on every rank) and ``qkv.train.resume`` (what
-a resume checks: run.json's allowed changes, the data file's fingerprint).
+``qkv.train.rundir`` (the run directory claimed on every rank, and what a run writes first)
+and ``qkv.train.resume`` (every check and load of a resume, one call: ``open_run``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import signal
 import threading
@@ -53,9 +52,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..files import CheckpointError, atomic_write, read_json
-from .checkpoint import load_run, load_trainer_state, save_checkpoint
-from .claim import RunDirClaim
+from .begin import RunStart, begin_run
+from .checkpoint import save_checkpoint
 from .config import TrainConfig
 from .distributed import (
     TIMEOUT_ENV,
@@ -64,24 +62,10 @@ from .distributed import (
     setup_world,
     teardown_world,
 )
-from .finetune import BASE_JSON, attach_peft, load_base
 from .kinds import get_kind
-from .memory import check_estimate_fits, scale_estimate
-from .metrics import METRICS, NullLog, truncate_metrics
-from .resume import check_data_unchanged, data_fingerprint, resumed_config
-from .rundir import (
-    RunDirLock,
-    check_checkpoint_agrees,
-    never_saved,
-    refuse_existing,
-    resume_checkpoint,
-)
-from .sharded_checkpoint import (
-    build_checkpoint_model,
-    is_sharded_checkpoint,
-    load_sharded_checkpoint,
-    save_sharded_checkpoint,
-)
+from .resume import Resumed, open_run, resumed_config
+from .rundir import METRICS, NullLog, RunDirClaim, RunDirLock
+from .sharded_checkpoint import save_sharded_checkpoint
 from .sharding import apply_activation_checkpointing, precision_policy, unsharded
 from .step import (
     Objective,
@@ -227,7 +211,7 @@ class Trainer:
             with _sigterm_interrupts():
                 self._setup(config, _resume, _accept_changed_data)
         except BaseException as exc:
-            self.close()  # a refused run holds no lock and leaves no process group open
+            self._claim.release()  # a refused run holds no lock and leaves no process group open
             teardown_world(self.world, clean=False)
             if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, RunInterrupted):
                 signum = _signal_of(exc)
@@ -250,45 +234,19 @@ class Trainer:
             raise ValueError(f"batch_size {config.batch_size} is not divisible by the "
                              f"{self.world.size} processes x grad_accum {config.grad_accum}: "
                              f"each process cuts its rows into grad_accum equal micro-batches")
-        self.step = 0
-        self.base: dict[str, str] | None = None  # base.json of a run that trains an adapter
-        self.last_saved: int | None = None
-        if _resume:
-            self._claim.take_lock()  # before reading: no other writer may change what we check
-            ckpt = resume_checkpoint(self.out, config.eval_every)
-            check_checkpoint_agrees(self.out, ckpt, config)
-            config = self.config = check_data_unchanged(
-                config, self.out, self.kind, accept_changed=accept_changed_data,
+        self.step, self.last_saved = 0, None
+        if _resume:  # the lock taken, everything checked, the checkpoint's model loaded
+            start: RunStart = open_run(
+                config, self.out, kind=self.kind, claim=self._claim,
+                accept_changed_data=accept_changed_data,
                 note=self.log if self.world.is_main else (lambda line: None))
-            sharded = is_sharded_checkpoint(ckpt)
-            if sharded != config.fsdp:
-                raise CheckpointError(
-                    f"{ckpt} is {'a sharded' if sharded else 'a plain'} checkpoint but run.json "
-                    f"says fsdp={config.fsdp}: fsdp is fixed for a run; restore run.json from "
-                    f"{ckpt / 'run.json'}")
-            if sharded:  # weights come with the optimizer state, after sharding (below)
-                from ..data import read_tokenizer
-
-                self.model = build_checkpoint_model(ckpt)
-                self.tokenizer = read_tokenizer(ckpt / "tokenizer.json")
-            else:
-                self.model, self.tokenizer = load_run(ckpt)  # an adapter run: base checked
-            # an adapter run's base.json, checked against its base by load_run just now
-            self.base = read_json(ckpt / BASE_JSON) if (ckpt / BASE_JSON).is_file() else None
-            self.max_len = self.kind.max_len_of(self.model)
-            self.data = self.kind.load_data(config, self.tokenizer, self.max_len)
         else:
-            if (self.out / "run.json").exists() and not never_saved(self.out):
-                refuse_existing(self.out)  # every rank, before any work
-            if config.data is not None:  # resumable from any working directory
-                data = Path(config.data).resolve()
-                config = self.config = dataclasses.replace(
-                    config, data=str(data), data_fingerprint=data_fingerprint(self.kind, data))
-            torch.manual_seed(config.seed)
-            if config.init_from is not None:
-                config = self._start_from_base(config)
-            else:
-                self._new_model(config)
+            self._claim.refuse_held()  # every rank, before any work
+            start = begin_run(config, self.kind, processes=self.world.size, device=self.device)
+        config = self.config = start.config
+        self.model, self.tokenizer, self.data = start.model, start.tokenizer, start.data
+        #: base.json of a run that trains an adapter (saved with its checkpoints), else None
+        self.max_len, self.base = start.max_len, start.base
         self.model.to(self.device).train()
         if config.activation_checkpointing:
             apply_activation_checkpointing(self.model)
@@ -296,74 +254,13 @@ class Trainer:
             Objective(self.kind, self.model, config.label_smoothing), config=config,
             world=self.world, device=self.device, policy=self._policy)
         self.optimizer = build_optimizer(self.model, config)  # after sharding: on the shards
-        if _resume:
-            state = (load_sharded_checkpoint(ckpt, model=self.model, optimizer=self.optimizer)
-                     if config.fsdp else load_trainer_state(ckpt, self.optimizer))
-            self.step = self.last_saved = state["step"]
-            if self.step >= config.steps:
-                raise ValueError(f"{self.out} is already at step {self.step}; give --steps "
-                                 f"greater than {self.step} to continue it")
-            barrier(self.world)
-            if self.world.is_main:
-                truncate_metrics(self.out / METRICS, self.step)
-                self._write_run_json(config)
+        if isinstance(start, Resumed):
+            self.step = self.last_saved = start.restore(self.model, self.optimizer)
+            barrier(self.world)  # every rank loaded its state before rank 0 rewrites
+            self._claim.continue_from(self.step, config.to_dict())
         else:
-            self._claim.claim_new()
-            try:
-                if self.world.is_main:
-                    self._write_run_json(config)
-                    (self.out / METRICS).write_text("")
-                    self._claim.written.append(METRICS)
-            except BaseException:
-                self._claim.undo_new()
-                raise
+            self._claim.start_new(config.to_dict())
         barrier(self.world)
-
-    def _new_model(self, config: TrainConfig) -> None:
-        """A new model on new data: tokenizer fitted to it, sizes checked first."""
-        kind = self.kind
-        self.data, self.tokenizer, self.max_len, seq_len = kind.prepare_data(config)
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            shape_only = kind.build_model(config, self.tokenizer, self.max_len)
-        kind.check_model(shape_only.config, self.tokenizer, self.max_len)
-        self._check_memory(shape_only, seq_len, "training")
-        self.model = kind.build_model(config, self.tokenizer, self.max_len)
-        self.base = None
-
-    def _check_memory(self, model: nn.Module, seq_len: int, doing: str) -> None:
-        """Refuse a step that cannot fit in memory (``qkv.train.memory``): one micro-batch
-        of this process's rows at a time; parameters, gradients and optimizer state split
-        over the processes under ``fsdp``; activations of checkpointed layers."""
-        c = self.config
-        micro = c.batch_size // self.world.size // c.grad_accum
-        estimate = self.kind.estimate_memory(model, batch_size=micro, seq_len=seq_len,
-                                             eval_examples=c.eval_examples)
-        estimate = scale_estimate(estimate, model,
-                                  shards=self.world.size if c.fsdp else 1,
-                                  checkpointing=c.activation_checkpointing)
-        check_estimate_fits(estimate, batch_size=micro, seq_len=seq_len, device=self.device,
-                            what=f"{doing} {c.model} (max_len={self.max_len})")
-
-    def _start_from_base(self, config: TrainConfig) -> TrainConfig:
-        """The base of ``init_from`` (its tokenizer and max_len), the adapter of ``peft``
-        attached; data and memory checked. Returns the config with the base's absolute path."""
-        base = load_base(config.init_from, config.model)
-        config = self.config = dataclasses.replace(config, init_from=str(base.path))
-        self.data, self.max_len, seq_len = self.kind.prepare_base_data(config, base.tokenizer,
-                                                                       base.max_len)
-        self.model, self.tokenizer = base.model, base.tokenizer
-        if config.peft is not None:
-            self.base = base.info()
-        if config.peft is not None:
-            attach_peft(self.model, config.peft)
-        self._check_memory(self.model, seq_len, "fine-tuning")
-        return config
-
-    def _write_run_json(self, config: TrainConfig) -> None:
-        """run.json: the settings --resume continues (with the new total steps)."""
-        text = json.dumps(config.to_dict(), indent=2, sort_keys=True)
-        atomic_write(self.out / "run.json", lambda tmp: Path(tmp).write_text(text))
-        self._claim.written.append("run.json")
 
     @classmethod
     def resume(cls, out_dir: str | Path, *, steps: int | None = None, progress: bool = True,
