@@ -15,7 +15,7 @@ from pathlib import Path
 
 __all__ = ["ADAPTER_MARK", "CHECKPOINT_DIR", "CONFIG_NAME", "FSDP_MARK", "INDEX_NAME",
            "PICKLE_NAME", "QUANT_NAME", "WEIGHTS_NAME", "CheckpointError", "atomic_write",
-           "is_regular_file", "read_json", "refuse_adapter_directory"]
+           "fsync_path", "is_regular_file", "read_json", "refuse_adapter_directory"]
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -69,8 +69,14 @@ def atomic_write(path: Path, write) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    try:  # the rename itself on disk; some platforms cannot sync a directory
-        fd = os.open(path.parent, os.O_RDONLY)
+    fsync_path(path.parent)  # the rename itself on disk
+
+
+def fsync_path(path: Path) -> None:
+    """Flush ``path`` (a file, or a directory: the names in it) to disk; nothing where it
+    cannot be opened or synced (some platforms cannot sync a directory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return
     try:

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..files import FSDP_MARK, CheckpointError, atomic_write, read_json
+from ..files import FSDP_MARK, CheckpointError, atomic_write, fsync_path, read_json
 from ..models import registry
 from .rundir import CHECKPOINT_DIR, OLD_DIR, TMP_DIR, find_checkpoint
 
@@ -134,19 +134,6 @@ def _describe(exc: BaseException) -> str:
 
 def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
-
-
-def _fsync(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # --- DCP's metadata, unpickled safely ------------------------------------------------------------
@@ -300,9 +287,9 @@ def save_sharded_checkpoint(run_dir: str | os.PathLike, *, model: nn.Module,
             _write_json(tmp / name, content)
         _write_json(tmp / SHARDED_JSON, {"format": FORMAT, "world_size": world})
         for path in sorted((tmp / SHARDED_DIR).iterdir()):
-            _fsync(path)
-        _fsync(tmp / SHARDED_DIR)
-        _fsync(tmp)
+            fsync_path(path)
+        fsync_path(tmp / SHARDED_DIR)
+        fsync_path(tmp)
 
     _together("sharded checkpoint (trainer state)", small_files)
 
@@ -314,7 +301,7 @@ def save_sharded_checkpoint(run_dir: str | os.PathLike, *, model: nn.Module,
                 shutil.rmtree(old)
             os.replace(final, old)
         os.replace(tmp, final)
-        _fsync(run_dir)
+        fsync_path(run_dir)
         if old.exists():
             shutil.rmtree(old)
 
