@@ -1,4 +1,4 @@
-"""Atomic file writes (``qkv.models.hub.atomic_write``) into folders created on demand, for
+"""Atomic file writes (``qkv.files.atomic_write``) into folders created on demand, for
 the files ``qkv.viz`` produces."""
 
 from __future__ import annotations
