@@ -58,14 +58,17 @@ STATE_JSON, STATE_TENSORS = "trainer_state.json", "trainer_state.safetensors"
 FORMAT = "qkv-dcp-1"
 #: files of a sharded checkpoint that are not part of an exported model directory
 _OWN_FILES = frozenset({"config.json", SHARDED_JSON, STATE_JSON, STATE_TENSORS})
-#: what a DCP call raises (its CheckpointException is a BaseException)
-_DCP_ERRORS: tuple[type[BaseException], ...] = (Exception,)
-try:
-    from torch.distributed.checkpoint.api import CheckpointException
-except ImportError:  # pragma: no cover - torch without distributed
-    pass
-else:
-    _DCP_ERRORS = (Exception, CheckpointException)
+
+
+def _dcp_errors() -> tuple[type[BaseException], ...]:
+    """What a DCP call raises (its CheckpointException is a BaseException). Imported when a
+    sharded checkpoint is read or written, not with qkv: torch.distributed.checkpoint takes
+    0.7 s to import, which every ``qkv`` command and test subprocess paid."""
+    try:
+        from torch.distributed.checkpoint.api import CheckpointException
+    except ImportError:  # pragma: no cover - torch without distributed
+        return (Exception,)
+    return (Exception, CheckpointException)
 
 
 # --- every rank together -------------------------------------------------------------------------
@@ -261,7 +264,7 @@ def save_sharded_checkpoint(run_dir: str | os.PathLike, *, model: nn.Module,
         with _quiet():
             dcp_save(state, storage_writer=FileSystemWriter(tmp / SHARDED_DIR),
                      no_dist=not _distributed())
-    except _DCP_ERRORS as exc:
+    except _dcp_errors() as exc:
         raise CheckpointError(f"sharded checkpoint (writing {tmp / SHARDED_DIR}): "
                               f"{_describe(exc)}") from exc
 
@@ -349,7 +352,7 @@ def load_sharded_checkpoint(checkpoint: str | os.PathLike, *, model: nn.Module,
         with _quiet():
             dcp_load(state, storage_reader=safe_reader(ckpt / SHARDED_DIR),
                      no_dist=not _distributed())
-    except _DCP_ERRORS as exc:
+    except _dcp_errors() as exc:
         raise CheckpointError(f"{ckpt}: the sharded state does not fit this model/optimizer: "
                               f"{_describe(exc)}") from exc
 
@@ -408,7 +411,7 @@ def load_sharded_model(checkpoint: str | os.PathLike) -> nn.Module:
         with _quiet():
             dcp_load({"model": state}, storage_reader=safe_reader(ckpt / SHARDED_DIR),
                      no_dist=True)
-    except _DCP_ERRORS as exc:
+    except _dcp_errors() as exc:
         raise CheckpointError(f"{ckpt}: cannot read the sharded model: "
                               f"{_describe(exc)}") from exc
     return model.eval()
