@@ -43,6 +43,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# Imported before any process group exists, on purpose (12 ms). DDP's construction imports it
+# when it is not yet loaded, and imported then, while a gloo group is live, it leaves a
+# reference that keeps the group alive after destroy_process_group: its worker threads are
+# never joined (tests/train/test_shutdown.py, test_gloo_teardown_stress.py). It used to come
+# in with torch.distributed.checkpoint, which qkv no longer imports at start-up (0.7 s).
+import torch.distributed._shard
+
 __all__ = ["TIMEOUT_ENV", "World", "all_reduce_sum", "barrier", "broadcast_object",
            "dist_timeout", "resolve_device", "settle_gloo_workers", "setup_world",
            "teardown_world"]
