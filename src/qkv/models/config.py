@@ -13,13 +13,21 @@ from typing import Any, ClassVar, TypeVar
 
 from ..version import __version__
 
-__all__ = ["NORM_EPS_RANGE", "ModelConfig", "check_norm_eps"]
+__all__ = ["NORM_EPS_RANGE", "ModelConfig", "check_norm_eps", "check_positive_int_or_none"]
 
 C = TypeVar("C", bound="ModelConfig")
 
 #: the accepted range of a norm's epsilon: positive, finite, not lost in fp32 (its smallest
 #: normal is 1.2e-38), and at most 1 (a larger one swamps the variance it is added to)
 NORM_EPS_RANGE = (1e-38, 1.0)
+
+
+def check_positive_int_or_none(owner: str, name: str, value: Any) -> None:
+    """ValueError naming ``owner: name`` unless ``value`` is None or a positive int (not a
+    bool)."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                              or value < 1):
+        raise ValueError(f"{owner}: {name} must be a positive int or None, got {value!r}")
 
 
 def check_norm_eps(owner: str, value: Any, name: str = "norm_eps") -> None:

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 from ..modules.feedforward import ACTIVATIONS
-from .config import ModelConfig, check_norm_eps
+from .config import ModelConfig, check_norm_eps, check_positive_int_or_none
 
 __all__ = ["GPTConfig"]
 
@@ -118,17 +118,12 @@ class GPTConfig(ModelConfig):
         if self.attention not in ("softmax", "linear"):
             raise ValueError(f"GPTConfig: attention must be 'softmax' or 'linear', "
                              f"got {self.attention!r}")
-        w = self.attention_window
-        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
-            raise ValueError(f"GPTConfig: attention_window must be a positive int or None, "
-                             f"got {w!r}")
+        w, m = self.attention_window, self.num_features
+        check_positive_int_or_none("GPTConfig", "attention_window", w)
         if self.feature_map not in ("elu", "favor"):
             raise ValueError(f"GPTConfig: feature_map must be 'elu' or 'favor', "
                              f"got {self.feature_map!r}")
-        m = self.num_features
-        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
-            raise ValueError(f"GPTConfig: num_features must be a positive int or None, "
-                             f"got {m!r}")
+        check_positive_int_or_none("GPTConfig", "num_features", m)
         if self.attention == "linear":
             if w is not None:
                 raise ValueError(f"GPTConfig: attention_window={w} is for softmax attention; "
