@@ -40,7 +40,7 @@ import torch
 
 from benchmarks._harness import load_average, print_cpu, print_table, side_by_side
 from qkv import generate
-from qkv.generation.fast_gpt import packing_works
+from qkv.generation.linears import packing_works
 from qkv.models import GPT
 
 

@@ -21,7 +21,7 @@ same with ``out=``, ``addmm(b, x, W_t, out=)``, ``mv(W_t.T, x)``, ``mv(W, x)`` a
 one-thread step uses and which reads the weights faster than torch's GEMM here. The fastest
 layout by median is the floor: no decoder that reads its fp32 weights once per token through
 these kernels goes faster. The
-decode alone (qkv's ``FastGPTStepper``: prefill + T - 1 steps, argmax, no search loop) is
+decode alone (qkv's decode engine stepper: prefill + T - 1 steps, argmax, no search loop) is
 timed too, so that what the search loop adds is visible.
 
 Each thread count in ``--threads`` (default 1 and 2) gets its own alternating rounds; the
@@ -119,13 +119,14 @@ def weight_reads(model: GPT, tokens: int, layout: str = "mm(x, W_t)"):
 
 
 def decode_only(model: GPT, ids: torch.Tensor, tokens: int):
-    """qkv's decode without the search loop: ``FastGPTStepper`` prefill + ``tokens`` - 1
-    steps, each fed the argmax of the last logits (R, V)."""
-    from qkv.generation.fast_gpt import FastGPTStepper
+    """qkv's decode without the search loop: the decode engine's stepper (the backend
+    ``qkv.generate`` would choose), prefill + ``tokens`` - 1 steps, each fed the argmax of the
+    last logits (R, V)."""
+    from qkv.generation.engine import decoder_stepper
 
     def run() -> torch.Tensor:
         with torch.inference_mode():
-            stepper = FastGPTStepper(model, ids, None, tokens)
+            stepper = decoder_stepper(model, ids, None, ids.shape[1] + tokens)
             logits = stepper.prefill()
             for _ in range(tokens - 1):
                 logits = stepper.step(logits.argmax(dim=-1))

@@ -1,20 +1,24 @@
-"""Text generation: ``qkv.generate`` (greedy, sampling, beam search) for GPT and
-encoder-decoder models.
+"""Text generation: ``qkv.generate`` (greedy, sampling, beam search, prompt lookup,
+speculative decoding) for GPT and encoder-decoder models, and the decode engine behind it.
 
 Modules: ``api`` (``generate``: argument checks, dispatch), ``search`` (the greedy/sampling
-and beam-search loops), ``steppers`` (how each model kind produces next-token logits, with
-or without a cache; ``reorder_cache`` for beams), ``fast_gpt`` (a lean single-token decode
-step for ``qkv.models.GPT``; oneDNN packed weights from 4 rows on), ``fast_int8`` (the same
-for int8-quantized GPTs), the optional C kernels of those steps (``attention_kernel``: attention
-over the cache; ``gemv_kernel``: one row times an (in, out) weight; ``int8_kernel``: an int8
-layer; ``row_step_kernel``: a whole layer per call; built by ``c_kernels``), ``text``
-(``translate`` / ``complete``: strings in, strings out, framed as ``qkv train`` trains).
+and beam-search loops), ``prompt_lookup`` and ``speculative`` (draft-and-verify loops),
+``steppers`` (the generic steppers: a model through its own modules, cached or not; the
+encoder-decoder one; ``reorder_cache`` for beams). The decode engine: ``plan``
+(``DecodePlan``: a model's layers as named weight records), ``backends`` (the ways to decode a
+plan, each declaring what it supports), ``engine`` (``decoder_stepper``, ``explain``),
+``stepper`` (``PlanStepper``: one stepper for every backend), ``torch_layer`` (the layer in
+torch ops, once) over ``linears`` (dense, oneDNN-packed, int8 weights), ``c_layer`` (the layer
+as one C call), ``prefill`` (a padded prompt on its real tokens), and the optional C kernels
+(``attention_kernel``, ``gemv_kernel``, ``int8_kernel``, ``row_step_kernel``; built by
+``c_kernels``). ``text``: ``translate`` / ``complete``, strings in and out.
 """
 
 from .api import generate
+from .engine import explain
 from .search import filter_logits
 from .steppers import reorder_cache
 from .text import complete, complete_ids, translate, translate_ids
 
-__all__ = ["complete", "complete_ids", "filter_logits", "generate", "reorder_cache",
+__all__ = ["complete", "complete_ids", "explain", "filter_logits", "generate", "reorder_cache",
            "translate", "translate_ids"]

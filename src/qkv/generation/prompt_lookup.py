@@ -47,7 +47,7 @@ DEFAULT_NGRAM = 2  # HuggingFace's max_matching_ngram_size default
 
 class Verifier(Protocol):
     """What the loop needs from a model (``qkv.generation.steppers`` /
-    ``multi_token_gpt.MultiTokenGPTStepper``)."""
+    ``qkv.generation.stepper.PlanStepper``)."""
 
     length: int
 

@@ -10,74 +10,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops.fast_linear import fast_linear
+from .activations import ACTIVATION_TABLE, QUICK_GELU_ALPHA, QuickGELU, quick_gelu, quick_gelu_
 from .linear_call import apply_linear, is_plain_linear
 
 __all__ = ["ACTIVATIONS", "FeedForward", "QuickGELU", "SwiGLU", "quick_gelu", "quick_gelu_"]
 
-QUICK_GELU_ALPHA = 1.702
-
-
-class QuickGELU(torch.autograd.Function):
-    """x·sigmoid(1.702·x) with a lean backward, any shape -> the same shape.
-
-    The forward is the same arithmetic as ``x * torch.sigmoid(1.702 * x)`` (bitwise); it
-    saves only x (autograd's composition saves x and the sigmoid). The derivative
-    sigmoid(a·x) + a·x·sigmoid(a·x)·(1 - sigmoid(a·x)) is SiLU's at y = a·x, so the backward
-    is one fused ``silu_backward(grad, a·x)`` (autograd's: five elementwise passes); with
-    ``create_graph`` it is composed of differentiable ops (double backward works).
-    """
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:  # x (...) -> (...)
-        ctx.save_for_backward(x)
-        return torch.mul(x, QUICK_GELU_ALPHA).sigmoid_().mul_(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        (x,) = ctx.saved_tensors
-        y = x * QUICK_GELU_ALPHA
-        if torch.is_grad_enabled():  # create_graph: silu_backward has no derivative
-            s = torch.sigmoid(y)
-            return grad * s * (1 + y * (1 - s))
-        return torch.ops.aten.silu_backward(grad, y)
-
-
-def quick_gelu(x: Tensor) -> Tensor:
-    """OpenAI CLIP's GELU approximation x·sigmoid(1.702·x) (HF "quick_gelu"), any shape.
-
-    With gradients (x requires grad) it runs ``QuickGELU`` (same values, a lean backward)."""
-    if x.requires_grad and torch.is_grad_enabled():
-        return QuickGELU.apply(x)
-    return x * torch.sigmoid(QUICK_GELU_ALPHA * x)
-
-
-def quick_gelu_(x: Tensor, *, buffer: Tensor | None = None) -> Tensor:
-    """``quick_gelu`` in place (no autograd): x (...) is overwritten and returned, the same
-    values as ``quick_gelu(x)`` bitwise. ``buffer``: scratch of x's shape, dtype and device
-    for the sigmoid (reused between calls: no fresh allocation); default a new one."""
-    if buffer is None:
-        buffer = torch.empty_like(x)
-    torch.mul(x, QUICK_GELU_ALPHA, out=buffer)
-    return x.mul_(buffer.sigmoid_())
-
-
-ACTIVATIONS = {
-    "relu": F.relu,
-    "gelu": F.gelu,  # exact (erf) GELU: BERT
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's "gelu_new"
-    "silu": F.silu,
-    "quick_gelu": quick_gelu,  # OpenAI CLIP
-}
-
-
+# the one activation table (``qkv.modules.activations``), as name -> function
+ACTIVATIONS = {name: a.fn for name, a in ACTIVATION_TABLE.items()}
+_INPLACE_ACTIVATIONS = {name: a.inplace for name, a in ACTIVATION_TABLE.items()}
 _FOLD_DTYPES = (torch.float32, torch.float64)
-_INPLACE_ACTIVATIONS = {
-    "gelu": torch.ops.aten.gelu_,
-    "gelu_tanh": lambda t: torch.ops.aten.gelu_(t, approximate="tanh"),
-    "relu": torch.relu_,
-    "silu": lambda t: F.silu(t, inplace=True),
-    "quick_gelu": quick_gelu_,
-}
 
 
 class FeedForward(nn.Module):

@@ -6,7 +6,7 @@ model; loading a quantized directory (``qkv.models.loading``) builds empty ones 
 Shapes: M rows (every leading dim of an input flattened), K input features, N output
 features (channels).
 
-The int8 math (the reference the fast decode step in ``qkv.generation.fast_int8``
+The int8 math (the reference the fast decode step in ``qkv.generation``'s int8 backends
 reproduces):
 
 - weight, once: per output channel n, ``s[n] = max_k |W[n, k]| / 127`` and

@@ -7,7 +7,7 @@ oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``, the op torch's own indu
 for CPU linear layers) runs a ViT-S layer's GEMMs (M=2080, K/N 384-1536) 1.09-1.13x as fast
 as ``F.linear``, a GPT-2 small layer's at M=16 1.2-1.3x, and its LM head (K=768, N=50257) at
 M=4 and M=16 ~1.7x; at M=1 it is not faster (a decode step for one row has its own path,
-``qkv.generation.fast_gpt``). With gradients, ``fast_linear`` is one autograd Function whose
+``qkv.generation.linears``). With gradients, ``fast_linear`` is one autograd Function whose
 forward and input gradient go through oneDNN and whose weight gradient is ``mm`` (forward +
 backward 1.04-1.10x ``F.linear``'s with a trained weight, ~1.14x with a frozen one).
 
@@ -75,7 +75,7 @@ def onednn_op():
     bias, "none", [], "")`` = x @ weight.T + bias, weight (N, K) dense or packed by
     ``torch.ops.mkldnn._reorder_linear_weight``) when this torch build has a working one
     (checked once against ``F.linear``), else None. For callers with their own dispatch
-    (``qkv.generation.fast_gpt``); they must honour ``onednn_linear_active()`` too."""
+    (``qkv.generation.linears``); they must honour ``onednn_linear_active()`` too."""
     return _op()
 
 

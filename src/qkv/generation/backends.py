@@ -1,0 +1,234 @@
+"""The decode engine's backends: small classes behind a ``DecodePlan``, each declaring what it
+supports, in the style of ``qkv.attention``'s dispatch; ``choose`` takes the first that
+accepts, ``explain`` says which would run and why each other one refused.
+
+Shapes: R rows decoded together (batch × beams), N prompt length, cap the caches' capacity.
+
+``supports(plan, rows, dtype, device, threads) -> None | reason``: ``plan`` is the model's
+plan (None when it has none: only ``modules`` accepts), ``rows`` R, ``dtype`` the
+activations' dtype, ``device`` the device, ``threads`` torch's intra-op thread count.
+``stepper(plan, model, ids, keep, capacity)`` builds the stepper (``prefill``/``step``/
+``run``/``rewind``/``reorder``). In the order tried:
+
+- ``c-layer-int8``: int8 plans on CPU, every layer one C call for all rows (single-threaded).
+- ``int8-kernel``: int8 plans on CPU, each projection one C call, torch ops between.
+- ``int8-torch``: int8 plans, ``QuantizedLinear``'s torch ops.
+- ``c-layer-fp32``: one fp32 row on CPU on one thread, every layer one C call.
+- ``onednn-packed``: fp32 on CPU from ``MIN_ROWS`` rows, oneDNN matmuls on packed weights.
+- ``torch``: fp32/fp64 plans, torch ops on (in, out) copies (the C attention kernel where
+  fp32 on one CPU thread).
+- ``modules``: any model, through its own modules and caches (``GPTStepper``): the generic
+  path, which runs every hook and every module as written.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..ops import fast_linear as _fast_linear
+from . import attention_kernel, gemv_kernel, int8_kernel, row_step_kernel
+from .c_layer import CLayers
+from .linears import (PACKED_MIN_WEIGHTS, DenseLinears, Int8KernelLinears, Int8Linears,
+                      PackedLinears, packing_works)
+from .plan import DecodePlan
+from .stepper import PlanStepper
+from .steppers import GPTStepper
+from .torch_layer import TorchLayers
+
+__all__ = ["BACKENDS", "Backend", "backend_named"]
+
+
+class Backend:
+    """One way to decode: ``name``, ``supports`` (None or the reason it refuses), and
+    ``stepper`` (only called when ``supports`` said None)."""
+
+    name = ""
+
+    def supports(self, plan: DecodePlan | None, rows: int, dtype: torch.dtype,
+                 device: torch.device, threads: int) -> str | None:
+        raise NotImplementedError
+
+    def stepper(self, plan: DecodePlan | None, model: nn.Module, ids: Tensor,
+                keep: Tensor | None, capacity: int):
+        raise NotImplementedError
+
+
+def _plan_check(plan: DecodePlan | None, dtype: torch.dtype, device: torch.device, *,
+                int8: bool) -> str | None:
+    """The reason a plan does not fit a backend of this weight form, or None."""
+    if plan is None:
+        return "the model has no decode plan"
+    if plan.int8 != int8:
+        return "the weights are not int8" if int8 else "the weights are int8"
+    if dtype != plan.dtype:
+        return f"activations in {dtype}, the plan's are {plan.dtype}"
+    if device != plan.device:
+        return f"device {device}, the weights are on {plan.device}"
+    return None
+
+
+def _c_layer_check(plan: DecodePlan) -> str | None:
+    """The reason the C layer kernel cannot compute ``plan``, or None."""
+    from ..modules.activations import ACTIVATION_TABLE
+    if plan.norm_kind != "layernorm":
+        return f"the C layer computes LayerNorm, not {plan.norm_kind}"
+    if plan.gated:
+        return "the C layer has no gated feed-forward"
+    if ACTIVATION_TABLE[plan.activation].c_code is None:
+        return f"the C layer has no {plan.activation}"
+    if plan.group > attention_kernel.MAX_GROUP:
+        return f"{plan.group} query heads per kv head > the kernel's {attention_kernel.MAX_GROUP}"
+    if row_step_kernel.load() is None or attention_kernel.disabled():
+        return "the C layer kernel is off or cannot be built here (QKV_ROW_KERNEL, a C compiler)"
+    return None
+
+
+def _cpu(device: torch.device) -> str | None:
+    return None if device.type == "cpu" else f"C kernels run on the CPU, not {device}"
+
+
+class _PlanBackend(Backend):
+    """A backend over a plan: ``runner(plan, cache, bias)`` makes the layer runner."""
+
+    prefill_on_rows = True
+
+    def runner(self, plan: DecodePlan, cache, bias):
+        raise NotImplementedError
+
+    def stepper(self, plan, model, ids, keep, capacity):
+        return PlanStepper(plan, self.name, self.runner, ids, keep, capacity,
+                           prefill_on_rows=self.prefill_on_rows)
+
+
+class CLayerInt8(_PlanBackend):
+    name = "c-layer-int8"
+    prefill_on_rows = False
+
+    def supports(self, plan, rows, dtype, device, threads):
+        why = _plan_check(plan, dtype, device, int8=True) or _cpu(device)
+        if why is None and int8_kernel.load() is None:
+            why = "the int8 kernel is off or cannot be built here (QKV_INT8_KERNEL, a C compiler)"
+        return why or _c_layer_check(plan)
+
+    def runner(self, plan, cache, bias):
+        c = CLayers.build(plan, cache, bias, int8=int8_kernel.load())
+        if c is None:
+            raise RuntimeError("c-layer-int8: RowLayers.build refused a supported plan")
+        return c
+
+
+class Int8Kernel(_PlanBackend):
+    name = "int8-kernel"
+    prefill_on_rows = False
+
+    def supports(self, plan, rows, dtype, device, threads):
+        why = _plan_check(plan, dtype, device, int8=True) or _cpu(device)
+        if why is None and int8_kernel.load() is None:
+            why = "the int8 kernel is off or cannot be built here (QKV_INT8_KERNEL, a C compiler)"
+        return why
+
+    def runner(self, plan, cache, bias):
+        return TorchLayers(plan, Int8KernelLinears(plan, int8_kernel.load()), cache, bias)
+
+
+class Int8Torch(_PlanBackend):
+    name = "int8-torch"
+    prefill_on_rows = False
+
+    def supports(self, plan, rows, dtype, device, threads):
+        return _plan_check(plan, dtype, device, int8=True)
+
+    def runner(self, plan, cache, bias):
+        return TorchLayers(plan, Int8Linears(plan), cache, bias)
+
+
+def _attention_kernel(plan: DecodePlan, threads: int):
+    """The C attention function for fp32 on one CPU thread, else None (torch's ops)."""
+    if (plan.dtype is torch.float32 and plan.device.type == "cpu" and threads == 1
+            and plan.group <= attention_kernel.MAX_GROUP):
+        return attention_kernel.load()
+    return None
+
+
+class CLayerFP32(_PlanBackend):
+    name = "c-layer-fp32"
+
+    def supports(self, plan, rows, dtype, device, threads):
+        why = _plan_check(plan, dtype, device, int8=False) or _cpu(device)
+        if why is None and dtype is not torch.float32:
+            why = f"the C layer computes fp32, not {dtype}"
+        if why is None and rows != 1:
+            why = f"the fp32 C layer decodes one row, not {rows}"
+        if why is None and threads != 1:
+            why = f"the C layer runs on one thread; torch has {threads}"
+        if why is None and gemv_kernel.load() is None:
+            why = "the GEMV kernel is off or cannot be built here (QKV_GEMV_KERNEL)"
+        return why or _c_layer_check(plan)
+
+    def runner(self, plan, cache, bias):
+        c = CLayers.build(plan, cache, bias, gemv=gemv_kernel.load())
+        if c is None:
+            raise RuntimeError("c-layer-fp32: RowLayers.build refused a supported plan")
+        return c
+
+
+class OneDNNPacked(_PlanBackend):
+    name = "onednn-packed"
+
+    def supports(self, plan, rows, dtype, device, threads):
+        why = _plan_check(plan, dtype, device, int8=False)
+        if why is None and (dtype is not torch.float32 or device.type != "cpu"):
+            why = "oneDNN packing is for fp32 on the CPU"
+        if why is None and rows < _fast_linear.MIN_ROWS:
+            why = f"{rows} rows < {_fast_linear.MIN_ROWS} (a few rows stream faster by addmm)"
+        if why is None:
+            lins = plan.linears()
+            mean = sum(lin.weight.numel() for lin in lins) / len(lins)
+            if mean < PACKED_MIN_WEIGHTS:
+                why = f"{mean:.0f} weights per projection < {PACKED_MIN_WEIGHTS}"
+        if why is None and not packing_works():
+            why = "this torch build does not pack weights for oneDNN (or onednn_linear(False))"
+        return why
+
+    def runner(self, plan, cache, bias):
+        threads = torch.get_num_threads()
+        return TorchLayers(plan, PackedLinears(plan), cache, bias,
+                           attention_kernel=_attention_kernel(plan, threads))
+
+
+class Torch(_PlanBackend):
+    name = "torch"
+
+    def supports(self, plan, rows, dtype, device, threads):
+        return _plan_check(plan, dtype, device, int8=False)
+
+    def runner(self, plan, cache, bias):
+        threads = torch.get_num_threads()
+        return TorchLayers(plan, DenseLinears(plan), cache, bias,
+                           attention_kernel=_attention_kernel(plan, threads))
+
+
+class Modules(Backend):
+    name = "modules"
+
+    def supports(self, plan, rows, dtype, device, threads):
+        return None
+
+    def stepper(self, plan, model, ids, keep, capacity):
+        stepper = GPTStepper(model, ids, keep, capacity - ids.shape[1], use_cache=True)
+        stepper.backend = self.name
+        return stepper
+
+
+BACKENDS: tuple[Backend, ...] = (CLayerInt8(), Int8Kernel(), Int8Torch(), CLayerFP32(),
+                                 OneDNNPacked(), Torch(), Modules())
+"""Every backend, in the order the engine tries them."""
+
+
+def backend_named(name: str) -> Backend:
+    """The backend called ``name``; ValueError listing the names otherwise."""
+    for b in BACKENDS:
+        if b.name == name:
+            return b
+    raise ValueError(f"unknown decode backend {name!r}; known: {[b.name for b in BACKENDS]}")

@@ -1,0 +1,78 @@
+"""``qkv.generation.explain`` names the backend that actually runs (docs/ARCHITECTURE.md:
+Decode backends): for models and row counts that land on different backends, the one
+``explain`` marks as running is the one ``qkv.generate`` built its stepper with, and every
+backend tried before it is listed with its refusal.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qkv
+from _fast_gpt_models import tiny_gpt
+from qkv.generation import api, explain
+from qkv.generation.backends import BACKENDS
+
+
+def _ran(monkeypatch, model, ids, **kw) -> str:
+    """The backend of the stepper ``qkv.generate`` builds for ``model`` on ``ids``."""
+    seen = []
+    real = api.decoder_stepper
+
+    def spy(*a, **k):
+        st = real(*a, **k)
+        seen.append(st.backend)
+        return st
+
+    monkeypatch.setattr(api, "decoder_stepper", spy)
+    qkv.generate(model, ids, max_new_tokens=2, **kw)
+    monkeypatch.setattr(api, "decoder_stepper", real)
+    assert len(seen) == 1
+    return seen[0]
+
+
+def _marked(text: str) -> str:
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("  * ")]
+    return line[4:].split(":")[0]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("case", ["fp32-1", "fp32-4", "int8-2", "rms-1", "hooked-1",
+                                  "beams-2x3"])
+def test_explain_marks_the_backend_generate_runs(case, threads, monkeypatch):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kind, rows = case.split("-")
+        model = tiny_gpt(norm="rmsnorm") if kind == "rms" else tiny_gpt()
+        if kind == "int8":
+            model = qkv.quantize(model, "int8")
+        handle = (model.layers[0].register_forward_pre_hook(lambda m, a: None)
+                  if kind == "hooked" else None)
+        beams = 1
+        if "x" in rows:
+            rows, beams = rows.split("x")
+        batch, beams = int(rows), int(beams)
+        ids = torch.randint(3, 48, (batch, 5))
+        text = explain(model, batch=batch, num_beams=beams)
+        ran = _ran(monkeypatch, model, ids, num_beams=beams)
+        assert _marked(text) == ran
+        if handle is not None:
+            assert ran == "modules" and "has hooks" in text
+            handle.remove()
+        names = [b.name for b in BACKENDS]
+        for name in names[:names.index(ran)]:  # every earlier backend says why not
+            (line,) = [ln for ln in text.splitlines() if ln.strip().startswith(name + ":")]
+            assert "not tried" not in line and len(line.split(":", 1)[1].strip()) > 5
+        for name in names[names.index(ran) + 1:]:
+            assert f"{name}: not tried" in text
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_explain_names_the_plan_or_why_there_is_none():
+    text = explain(tiny_gpt(positions="rope", num_kv_heads=2, norm="rmsnorm",
+                            activation="swiglu"))
+    assert "2 layers, width 32, 4 heads (2 kv), rmsnorm, gated silu, rope positions" in text
+    assert "plan: none: config.attention_window=3" in explain(tiny_gpt(attention_window=3))
