@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _fast_gpt_models import tiny_gpt
 
 import qkv
-from _fast_gpt_models import tiny_gpt
 from qkv.generation import api, explain
 from qkv.generation.backends import BACKENDS
 
@@ -66,7 +66,7 @@ def test_explain_marks_the_backend_generate_runs(case, threads, monkeypatch):
             (line,) = [ln for ln in text.splitlines() if ln.strip().startswith(name + ":")]
             assert "not tried" not in line and len(line.split(":", 1)[1].strip()) > 5
         for name in names[names.index(ran) + 1:]:
-            assert f"{name}: not tried" in text
+            assert f"{name}: not tried" in text or f"{name}: measured slower" in text
     finally:
         torch.set_num_threads(before)
 
@@ -76,3 +76,50 @@ def test_explain_names_the_plan_or_why_there_is_none():
                             activation="swiglu"))
     assert "2 layers, width 32, 4 heads (2 kv), rmsnorm, gated silu, rope positions" in text
     assert "plan: none: config.attention_window=3" in explain(tiny_gpt(attention_window=3))
+
+
+@pytest.mark.parametrize("c_faster", [True, False])
+def test_at_more_threads_a_one_thread_backend_is_measured_against_the_threaded_one(
+        c_faster, monkeypatch):
+    """At 2 threads the C layer (one thread) and the torch backend (the threads) are timed
+    against each other and the faster runs; the outcome is remembered (timed once) and
+    ``explain`` shows both figures. At 1 thread, or with ``QKV_DECODE_MEASURE=0``, nothing
+    is timed and the first accepting backend runs."""
+    from qkv.generation import engine
+    monkeypatch.setattr(engine, "_MEASURED", {})
+    timed = []
+
+    def fake(backend, plan, rows):
+        timed.append(backend.name)
+        return {"c-layer-fp32": 1e-3 if c_faster else 3e-3, "torch": 2e-3}[backend.name]
+
+    monkeypatch.setattr(engine, "step_seconds", fake)
+    model = tiny_gpt()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        if engine.choose(model, 1, measure=False).backend.name != "c-layer-fp32":
+            pytest.skip("the C layer kernel does not build here")
+        want = "c-layer-fp32" if c_faster else "torch"
+        text = explain(model, batch=1)
+        assert _marked(text) == want
+        assert "2.00 ms/step" in text and ("1.00 ms/step" if c_faster else "3.00 ms/step") in text
+        assert _ran(monkeypatch, model, torch.randint(3, 48, (1, 4))) == want
+        assert sorted(timed) == ["c-layer-fp32", "torch"]  # once, for explain and generate
+        torch.set_num_threads(1)
+        assert engine.choose(model, 1).backend.name == "c-layer-fp32"
+        monkeypatch.setenv("QKV_DECODE_MEASURE", "0")
+        torch.set_num_threads(2)
+        monkeypatch.setattr(engine, "_MEASURED", {})
+        assert engine.choose(model, 1).backend.name == "c-layer-fp32"
+        assert sorted(timed) == ["c-layer-fp32", "torch"]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_step_seconds_times_a_real_decode_step():
+    from qkv.generation import engine
+    from qkv.generation.backends import backend_named
+    from qkv.generation.plan import decode_plan
+    sec = engine.step_seconds(backend_named("torch"), decode_plan(tiny_gpt()), 2)
+    assert 0 < sec < 5

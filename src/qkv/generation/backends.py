@@ -10,13 +10,16 @@ activations' dtype, ``device`` the device, ``threads`` torch's intra-op thread c
 ``stepper(plan, model, ids, keep, capacity)`` builds the stepper (``prefill``/``step``/
 ``run``/``rewind``/``reorder``). In the order tried:
 
-- ``c-layer-int8``: int8 plans on CPU, every layer one C call for all rows (single-threaded).
-- ``int8-kernel``: int8 plans on CPU, each projection one C call, torch ops between.
+- ``c-layer-int8``: int8 plans on CPU, every layer one C call for all rows (one thread).
+- ``int8-kernel``: int8 plans on CPU, each projection one C call (one thread), torch ops
+  between.
 - ``int8-torch``: int8 plans, ``QuantizedLinear``'s torch ops.
-- ``c-layer-fp32``: one fp32 row on CPU on one thread, every layer one C call.
+- ``c-layer-fp32``: one fp32 row on CPU, every layer one C call (one thread).
 - ``onednn-packed``: fp32 on CPU from ``MIN_ROWS`` rows, oneDNN matmuls on packed weights.
-- ``torch``: fp32/fp64 plans, torch ops on (in, out) copies (the C attention kernel where
-  fp32 on one CPU thread).
+- ``bf16-packed``: bf16 models on a CPU with native bf16 (``qkv.ops.cpu.cpu_bf16``, detected
+  at run time), oneDNN matmuls on packed bf16 weights (half of fp32's bytes), any rows.
+- ``torch``: fp32/fp64 plans (bf16 where native), torch ops on (in, out) copies (the C
+  attention kernel where fp32 on one CPU thread).
 - ``modules``: any model, through its own modules and caches (``GPTStepper``): the generic
   path, which runs every hook and every module as written.
 """
@@ -27,10 +30,17 @@ import torch
 from torch import Tensor, nn
 
 from ..ops import fast_linear as _fast_linear
+from ..ops.cpu import cpu_bf16
 from . import attention_kernel, gemv_kernel, int8_kernel, row_step_kernel
 from .c_layer import CLayers
-from .linears import (PACKED_MIN_WEIGHTS, DenseLinears, Int8KernelLinears, Int8Linears,
-                      PackedLinears, packing_works)
+from .linears import (
+    PACKED_MIN_WEIGHTS,
+    DenseLinears,
+    Int8KernelLinears,
+    Int8Linears,
+    PackedLinears,
+    packing_works,
+)
 from .plan import DecodePlan
 from .stepper import PlanStepper
 from .steppers import GPTStepper
@@ -41,9 +51,13 @@ __all__ = ["BACKENDS", "Backend", "backend_named"]
 
 class Backend:
     """One way to decode: ``name``, ``supports`` (None or the reason it refuses), and
-    ``stepper`` (only called when ``supports`` said None)."""
+    ``stepper`` (only called when ``supports`` said None). ``one_thread``: the backend runs
+    its layers on one thread whatever torch's thread count (the C layer kernels); at more
+    threads the engine measures it against the first backend that uses them
+    (``qkv.generation.engine.choose``)."""
 
     name = ""
+    one_thread = False
 
     def supports(self, plan: DecodePlan | None, rows: int, dtype: torch.dtype,
                  device: torch.device, threads: int) -> str | None:
@@ -104,6 +118,7 @@ class _PlanBackend(Backend):
 class CLayerInt8(_PlanBackend):
     name = "c-layer-int8"
     prefill_on_rows = False
+    one_thread = True
 
     def supports(self, plan, rows, dtype, device, threads):
         why = _plan_check(plan, dtype, device, int8=True) or _cpu(device)
@@ -121,6 +136,7 @@ class CLayerInt8(_PlanBackend):
 class Int8Kernel(_PlanBackend):
     name = "int8-kernel"
     prefill_on_rows = False
+    one_thread = True
 
     def supports(self, plan, rows, dtype, device, threads):
         why = _plan_check(plan, dtype, device, int8=True) or _cpu(device)
@@ -153,6 +169,7 @@ def _attention_kernel(plan: DecodePlan, threads: int):
 
 class CLayerFP32(_PlanBackend):
     name = "c-layer-fp32"
+    one_thread = True
 
     def supports(self, plan, rows, dtype, device, threads):
         why = _plan_check(plan, dtype, device, int8=False) or _cpu(device)
@@ -160,8 +177,6 @@ class CLayerFP32(_PlanBackend):
             why = f"the C layer computes fp32, not {dtype}"
         if why is None and rows != 1:
             why = f"the fp32 C layer decodes one row, not {rows}"
-        if why is None and threads != 1:
-            why = f"the C layer runs on one thread; torch has {threads}"
         if why is None and gemv_kernel.load() is None:
             why = "the GEMV kernel is off or cannot be built here (QKV_GEMV_KERNEL)"
         return why or _c_layer_check(plan)
@@ -197,11 +212,39 @@ class OneDNNPacked(_PlanBackend):
                            attention_kernel=_attention_kernel(plan, threads))
 
 
+def _bf16_check(device: torch.device) -> str | None:
+    """Why bf16 decoding does not pay on ``device`` (a CPU without native bf16), or None."""
+    if device.type != "cpu":
+        return None
+    support = cpu_bf16()
+    return None if support.native else f"bf16 is not native on this CPU ({support})"
+
+
+class Bf16Packed(_PlanBackend):
+    name = "bf16-packed"
+
+    def supports(self, plan, rows, dtype, device, threads):
+        why = _plan_check(plan, dtype, device, int8=False)
+        if why is None and (dtype is not torch.bfloat16 or device.type != "cpu"):
+            why = "for bf16 models on the CPU"
+        if why is None:
+            why = _bf16_check(device)
+        if why is None and not packing_works():
+            why = "this torch build does not pack weights for oneDNN (or onednn_linear(False))"
+        return why
+
+    def runner(self, plan, cache, bias):
+        return TorchLayers(plan, PackedLinears(plan), cache, bias)
+
+
 class Torch(_PlanBackend):
     name = "torch"
 
     def supports(self, plan, rows, dtype, device, threads):
-        return _plan_check(plan, dtype, device, int8=False)
+        why = _plan_check(plan, dtype, device, int8=False)
+        if why is None and dtype is torch.bfloat16:
+            why = _bf16_check(device)
+        return why
 
     def runner(self, plan, cache, bias):
         threads = torch.get_num_threads()
@@ -222,7 +265,7 @@ class Modules(Backend):
 
 
 BACKENDS: tuple[Backend, ...] = (CLayerInt8(), Int8Kernel(), Int8Torch(), CLayerFP32(),
-                                 OneDNNPacked(), Torch(), Modules())
+                                 OneDNNPacked(), Bf16Packed(), Torch(), Modules())
 """Every backend, in the order the engine tries them."""
 
 

@@ -9,11 +9,22 @@ The model's ``DecodePlan`` is derived once per call (``decode_plan``); a model w
 ``modules`` backend, which calls its modules. Otherwise the first backend of
 ``qkv.generation.backends.BACKENDS`` whose ``supports`` accepts (rows, dtype, device,
 threads) builds the stepper.
+
+Thread counts: a backend that runs its layers on one thread (``Backend.one_thread``: the C
+layer kernels) is not assumed faster at more threads. When torch has more than one thread
+and the first accepting backend is such one, the engine measures it against the first
+accepting backend that uses the threads: a few decode steps of each on ``rows`` random
+prompts, the faster median wins. The outcome is remembered for the process per (plan shape,
+rows, threads), so ``explain`` and ``generate`` agree and the measurement is paid once.
+``QKV_DECODE_MEASURE=0`` turns measuring off (the first accepting backend runs).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -21,7 +32,7 @@ from torch import Tensor, nn
 from .backends import BACKENDS, Backend, backend_named
 from .plan import DecodePlan, Unplannable, decode_plan
 
-__all__ = ["Choice", "choose", "decoder_stepper", "explain"]
+__all__ = ["MEASURE_STEPS", "Choice", "choose", "decoder_stepper", "explain", "step_seconds"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +45,55 @@ class Choice:
     plan: DecodePlan | None
     why_no_plan: str | None
     refusals: tuple[tuple[str, str], ...]
+    measured: dict[str, float] = field(default_factory=dict)
+    """Seconds per decode step of the backends measured against each other (empty when
+    nothing was measured)."""
+
+
+MEASURE_STEPS = 5
+"""Timed decode steps per backend when the engine measures (after one untimed step)."""
+_MEASURED: dict[tuple, dict[str, float]] = {}  # (plan shape, rows, threads, names) -> s/step
+
+
+def _measuring(measure: bool | None) -> bool:
+    if measure is not None:
+        return measure
+    return os.environ.get("QKV_DECODE_MEASURE", "1").strip().lower() not in (
+        "0", "false", "off", "no")
+
+
+def _shape_key(plan: DecodePlan) -> tuple:
+    return (len(plan.layers), plan.width, plan.heads, plan.kv_heads, plan.head_dim, plan.ffn,
+            plan.vocab, plan.activation, plan.gated, plan.norm_kind, plan.int8, plan.dtype,
+            plan.rope is not None, plan.device.type)
+
+
+def step_seconds(backend: Backend, plan: DecodePlan, rows: int) -> float:
+    """The median wall time of one decode step of ``backend`` on ``plan`` for ``rows`` rows
+    of a short random prompt (``MEASURE_STEPS`` timed steps after one untimed), in seconds."""
+    n = 8
+    if plan.pos_table is not None:
+        n = max(1, min(n, plan.pos_table.shape[0] - MEASURE_STEPS - 2))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, plan.vocab, (rows, n), generator=g).to(plan.device)
+    times = []
+    with torch.inference_mode():
+        st = backend.stepper(plan, plan.model, ids, None, n + MEASURE_STEPS + 1)
+        tok = st.prefill().argmax(dim=-1)
+        for i in range(MEASURE_STEPS + 1):
+            start = time.perf_counter()
+            tok = st.step(tok).argmax(dim=-1)
+            if i:
+                times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _measure(plan: DecodePlan, rows: int, threads: int, first: Backend, other: Backend
+             ) -> dict[str, float]:
+    key = (_shape_key(plan), rows, threads, first.name, other.name)
+    if key not in _MEASURED:
+        _MEASURED[key] = {b.name: step_seconds(b, plan, rows) for b in (first, other)}
+    return _MEASURED[key]
 
 
 def _plan(model: nn.Module) -> tuple[DecodePlan | None, str | None]:
@@ -45,11 +105,13 @@ def _plan(model: nn.Module) -> tuple[DecodePlan | None, str | None]:
 
 def choose(model: nn.Module, rows: int, *, dtype: torch.dtype | None = None,
            device: torch.device | str | None = None, threads: int | None = None,
-           backend: str | None = None) -> Choice:
+           backend: str | None = None, measure: bool | None = None) -> Choice:
     """The backend that decodes ``model`` for ``rows`` rows, with the reasons the earlier ones
     refused. ``dtype``/``device`` default to the model's embedding's, ``threads`` to
     ``torch.get_num_threads()``. ``backend`` forces one by name (ValueError when it refuses,
-    with its reason)."""
+    with its reason). ``measure``: at more than one thread, time a one-thread backend
+    against the first that uses the threads (module docstring); None: unless
+    ``QKV_DECODE_MEASURE=0``."""
     plan, why_no_plan = _plan(model)
     weight = next((p for p in model.parameters()), None)
     if dtype is None:
@@ -60,9 +122,24 @@ def choose(model: nn.Module, rows: int, *, dtype: torch.dtype | None = None,
     threads = torch.get_num_threads() if threads is None else threads
     refusals = []
     candidates = BACKENDS if backend is None else (backend_named(backend),)
-    for b in candidates:
+    for i, b in enumerate(candidates):
         why = b.supports(plan, rows, dtype, device, threads)
         if why is None:
+            if backend is None and b.one_thread and threads > 1 and _measuring(measure):
+                other = next((o for o in candidates[i + 1:] if not o.one_thread and o.name
+                              != "modules" and o.supports(plan, rows, dtype, device, threads)
+                              is None), None)
+                if other is not None:
+                    measured = _measure(plan, rows, threads, b, other)
+                    if measured[other.name] < measured[b.name]:
+                        refusals.append((b.name, f"measured slower here: "
+                                         f"{_ms(measured[b.name])} on one thread against "
+                                         f"{other.name}'s {_ms(measured[other.name])} on "
+                                         f"{threads}"))
+                        refusals.extend((o.name, "measured: " + other.name + " is faster")
+                                        for o in candidates[i + 1:candidates.index(other)])
+                        return Choice(other, plan, why_no_plan, tuple(refusals), measured)
+                    return Choice(b, plan, why_no_plan, tuple(refusals), measured)
             return Choice(b, plan, why_no_plan, tuple(refusals))
         refusals.append((b.name, why))
     raise ValueError(f"decode backend {backend!r} cannot decode this model: {refusals[-1][1]}")
@@ -94,12 +171,23 @@ def explain(model: nn.Module, *, batch: int = 1, num_beams: int = 1,
     refused = dict(choice.refusals)
     for b in BACKENDS:
         if b is choice.backend:
-            lines.append(f"  * {b.name}: runs")
+            how = ""
+            if choice.measured:
+                how = " (measured: " + ", ".join(
+                    f"{name} {_ms(sec)}" for name, sec in choice.measured.items()) + ")"
+            lines.append(f"  * {b.name}: runs{how}")
         elif b.name in refused:
             lines.append(f"    {b.name}: {refused[b.name]}")
+        elif b.name in choice.measured:
+            lines.append(f"    {b.name}: measured slower here: "
+                         f"{_ms(choice.measured[b.name])}")
         else:
             lines.append(f"    {b.name}: not tried (an earlier backend runs)")
     return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms/step"
 
 
 def _describe(plan: DecodePlan) -> str:

@@ -37,13 +37,18 @@ from ..modules.norms import LayerNorm, RMSNorm
 from ..modules.positions import RoPE
 from ..modules.quantized import QuantizedLinear, scale127
 
-__all__ = ["DecodePlan", "LayerPlan", "LinearPlan", "NormPlan", "Unplannable", "decode_plan"]
+__all__ = ["PLAN_DTYPES", "DecodePlan", "LayerPlan", "LinearPlan", "NormPlan", "Unplannable",
+           "decode_plan"]
 
 # GPTConfig fields a plan describes (any value); another field with a non-default value
 # (a variant added later) is refused, so the model decodes on the module path
 _KNOWN = {"vocab_size", "max_len", "dim", "num_layers", "num_heads", "num_kv_heads",
           "ffn_hidden", "activation", "norm", "norm_eps", "positions", "dropout",
           "attn_dropout", "bias", "tie_embeddings"}
+
+
+PLAN_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+"""The weight dtypes a plan describes (int8 projections keep fp32 embeddings)."""
 
 
 class Unplannable(ValueError):
@@ -61,7 +66,7 @@ class NormPlan:
     eps: float
 
     def __call__(self, x: Tensor) -> Tensor:
-        """x (..., C) -> (..., C) in x's dtype (fp32/fp64 plans)."""
+        """x (..., C) -> (..., C) in x's dtype (bf16 accumulates in fp32, as the modules)."""
         if self.kind == "layernorm":
             return torch.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
         return torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -196,8 +201,8 @@ def decode_plan(model: object) -> DecodePlan:
     """The plan of ``model``: a ``qkv.models.GPT`` of plain parts (pre-norm ``EncoderLayer``s
     with a fused-QKV ``MultiHeadAttention`` on sdpa/auto, ``FeedForward`` or ``SwiGLU``,
     ``LayerNorm`` or ``RMSNorm``, every projection an ``nn.Linear``, or every one and the head
-    a ``QuantizedLinear``), fp32/fp64 embeddings, no hooks, no active dropout and no config
-    variant the plan does not know.
+    a ``QuantizedLinear``), fp32/fp64/bf16 embeddings (``PLAN_DTYPES``), no hooks, no active
+    dropout and no config variant the plan does not know.
 
     Raises:
         Unplannable naming the first part that is not described (the model decodes on the
@@ -216,8 +221,9 @@ def decode_plan(model: object) -> DecodePlan:
     if model.training and (c.dropout or c.attn_dropout):
         raise Unplannable("dropout is active (model.training with dropout > 0)")
     dtype = model.embed.weight.dtype
-    if dtype not in (torch.float32, torch.float64):
-        raise Unplannable(f"{dtype} weights (plans decode fp32/fp64; int8 via qkv.quantize)")
+    if dtype not in PLAN_DTYPES:
+        raise Unplannable(f"{dtype} weights (plans decode fp32, fp64 and bf16; int8 via "
+                          f"qkv.quantize)")
     activation = "silu" if c.activation == "swiglu" else c.activation
     if activation not in ACTIVATION_TABLE:
         raise Unplannable(f"activation {c.activation!r} is not in the activation table")
