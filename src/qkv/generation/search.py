@@ -37,11 +37,10 @@ def argmax_rows(logits: Tensor) -> Tensor:
     levels: the maximum of each block of ``ARGMAX_BLOCK`` columns (``amax``, vectorised), the
     first block holding the row's largest (``argmax`` over V / 128 block maxima; the columns
     past the last whole block are one more, last, candidate), then ``argmax`` inside that
-    block. torch's CPU ``argmax`` over a long last dimension is not vectorised: measured here
-    at 16 x 8192 fp32 logits, 1 thread, ~120-230 µs against ~50-65 µs this way (16 x 50257:
-    ~700-860 against ~140 µs). Exact: the
-    first block holding the maximum holds its first index, and a NaN (``amax`` propagates it,
-    ``argmax`` takes it as the largest) leads both levels to the first NaN."""
+    block. torch's CPU ``argmax`` over a long last dimension is not vectorised; this is
+    several times faster at decode sizes (BENCHMARKS.md, "Inference at the machine's limit").
+    Exact: the first block holding the maximum holds its first index, and a NaN (``amax``
+    propagates it, ``argmax`` takes it as the largest) leads both levels to the first NaN."""
     rows, vocab = logits.shape
     blocks = vocab // ARGMAX_BLOCK
     if (rows < ARGMAX_MIN_ROWS or blocks < 2 or logits.device.type != "cpu"

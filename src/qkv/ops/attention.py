@@ -113,10 +113,11 @@ def _non_finite_guard(q: Tensor, k: Tensor, v: Tensor, out: Tensor, bias, dropou
     returns zeros when they are all NaN, and 0 · NaN = NaN lets a masked NaN value (or a
     masked NaN logit under SDPA's additive -inf) leak into the row.
 
-    Cheap on finite inputs: one reduction of the output (~6 µs a decode call). Any non-finite
-    value a row may see shows in its output as NaN/inf or, through the kernel's accident, as
-    an all-zero row; so only when the smallest row norm of ``out`` is 0 or not finite are q, k, v
-    inspected (rows with nothing to attend to, legitimately 0, cost that look). If they hold
+    Cheap on finite inputs: one reduction of the output (BENCHMARKS.md, "The Padding NaN
+    guard"). Any non-finite value a row may see shows in its output as NaN/inf or, through
+    the kernel's accident, as an all-zero row; so only when the smallest row norm of ``out``
+    is 0 or not finite are q, k, v inspected (rows with nothing to attend to, legitimately 0,
+    cost that look). If they hold
     non-finite values the attention is recomputed with them zeroed (gradients stay finite;
     the zeroed entries get none), plus one run of the same backend on indicators with q = k = 0
     (uniform weights over exactly the keys each row may attend to) to place the NaNs.

@@ -2,19 +2,18 @@
 
 Shapes: M rows (all leading dims of x together), K input width, N output width.
 
-Measured here (1 thread, fp32, medians; ``benchmarks/bench_fast_linear.py``, BENCHMARKS.md):
 oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``, the op torch's own inductor emits
-for CPU linear layers) runs a ViT-S layer's GEMMs (M=2080, K/N 384-1536) 1.09-1.13x as fast
-as ``F.linear``, a GPT-2 small layer's at M=16 1.2-1.3x, and its LM head (K=768, N=50257) at
-M=4 and M=16 ~1.7x; at M=1 it is not faster (a decode step for one row has its own path,
-``qkv.generation.linears``). With gradients, ``fast_linear`` is one autograd Function whose
-forward and input gradient go through oneDNN and whose weight gradient is ``mm`` (forward +
-backward 1.04-1.10x ``F.linear``'s with a trained weight, ~1.14x with a frozen one).
+for CPU linear layers) runs encoder GEMMs and batched decode projections faster than
+``F.linear`` on this CPU and is not faster at one row (a decode step for one row has its own
+path, ``qkv.generation.linears``); ``benchmarks/bench_fast_linear.py`` measures it, with the
+figures in BENCHMARKS.md ("Linear layers through oneDNN"). With gradients, ``fast_linear``
+is one autograd Function whose forward and input gradient go through oneDNN and whose weight
+gradient is ``mm``.
 
-Each call costs ~15 µs more than ``F.linear`` (oneDNN sets up its primitive), which small
-GEMMs do not earn back: below ``MIN_ROWS`` rows or ``MIN_MACS`` multiply-adds (M·K·N; the
-crossover measured here is ~1.5e7) this is ``F.linear``. The two differ only in summation
-order (|diff| ~1e-6 relative).
+Each call costs a fixed set-up more than ``F.linear`` (oneDNN sets up its primitive),
+which small GEMMs do not earn back: below ``MIN_ROWS`` rows or ``MIN_MACS`` multiply-adds
+(M·K·N; the measured crossover is in BENCHMARKS.md) this is ``F.linear``. The two differ
+only in summation order (|diff| ~1e-6 relative).
 
 The op is private to torch, so it is used only after a one-time check that it exists and
 agrees with ``F.linear`` on a small input. Anything else is ``F.linear``: no oneDNN in this
@@ -41,7 +40,7 @@ __all__ = ["MIN_MACS", "MIN_ROWS", "fast_linear", "onednn_linear", "onednn_linea
 MIN_ROWS = 4
 """Fewest rows (M) worth oneDNN's per-call set-up."""
 MIN_MACS = 1 << 24
-"""Fewest multiply-adds (M·K·N) worth oneDNN's per-call set-up (~15 µs)."""
+"""Fewest multiply-adds (M·K·N) worth oneDNN's per-call set-up."""
 
 _PLAIN = (Tensor, nn.Parameter)
 _state = threading.local()
