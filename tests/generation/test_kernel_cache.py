@@ -5,7 +5,10 @@ rebuilt (never loaded), and a hanging compiler is bounded and said once.
 The foreign code is a real shared library whose constructor writes a marker file, planted
 under the exact name qkv uses (learnt by letting qkv build there first) with a matching
 ``.sha256`` beside it, so only the ownership and mode checks stand between it and the
-process. Every test points ``QKV_CACHE_DIR`` at its own temporary directory."""
+process. Another user's file or directory is made with ``os.chown`` when the tests run as
+root, and otherwise (and also as root) simulated: the owner ``c_kernels`` reads of that very
+file (``os.fstat``'s ``st_uid``, matched by inode) is another uid. Every test points
+``QKV_CACHE_DIR`` at its own temporary directory."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qkv.generation import c_kernels, int8_kernel
+from qkv.generation import c_kernels, int8_kernel, kernel_registry
 from qkv.modules.quantized import int8_linear, quantize_weight, scale127
 
 CC = shutil.which("cc") or shutil.which("gcc")
@@ -119,37 +122,80 @@ def _private(path: Path) -> bool:
 
 # -------------------------------------------------------------------------- no foreign code
 
+NOBODY = 65534
 
-def _shared_dir(d, lib):
+
+def _foreign_maker(how: str, monkeypatch):
+    """``foreign(*paths)`` that makes those paths another user's (uid 65534): ``how`` is
+    "chown" (root only), or "simulated": ``os.fstat`` (what ``c_kernels`` checks owners with)
+    reports uid 65534 for those very files, by inode, so a file rebuilt in their place is
+    this user's again."""
+    if how == "chown":
+        return lambda *paths: [os.chown(p, NOBODY, NOBODY) for p in paths]
+    inodes: set[tuple[int, int]] = set()
+    real_fstat = os.fstat
+
+    def fstat(fd):
+        st = real_fstat(fd)
+        if (st.st_dev, st.st_ino) not in inodes:
+            return st
+        fields = list(st[:10])
+        fields[4] = fields[5] = NOBODY  # st_uid, st_gid
+        return os.stat_result(fields)
+
+    monkeypatch.setattr(os, "fstat", fstat)
+
+    def make(*paths):
+        for p in paths:
+            st = os.lstat(p)
+            inodes.add((st.st_dev, st.st_ino))
+    return make
+
+
+def test_simulated_owner_is_seen_by_the_check(tmp_path, monkeypatch):
+    """The simulation changes what the trust check reads, for the marked file only."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_text("a")
+    b.write_text("b")
+    _foreign_maker("simulated", monkeypatch)(a)
+    for path, owner in ((a, NOBODY), (b, os.geteuid())):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert os.fstat(fd).st_uid == owner
+        finally:
+            os.close(fd)
+
+
+def _shared_dir(d, lib, foreign):
     d.chmod(0o777)
 
 
-def _sticky_dir_foreign_file(d, lib):
+def _sticky_dir_foreign_file(d, lib, foreign):
     for p in (lib, Path(f"{lib}.sha256")):
-        os.chown(p, 65534, 65534)
+        foreign(p)
         p.chmod(0o777)
     d.chmod(0o1777)
 
 
-def _foreign_dir(d, lib):
-    os.chown(d, 65534, 65534)
+def _foreign_dir(d, lib, foreign):
+    foreign(d)
 
 
-def _foreign_file(d, lib):
+def _foreign_file(d, lib, foreign):
     for p in (lib, Path(f"{lib}.sha256")):
-        os.chown(p, 65534, 65534)
+        foreign(p)
         p.chmod(0o755)
 
 
-def _group_writable_file(d, lib):
+def _group_writable_file(d, lib, foreign):
     lib.chmod(0o775)
 
 
-def _foreign_hash(d, lib):
-    os.chown(f"{lib}.sha256", 65534, 65534)
+def _foreign_hash(d, lib, foreign):
+    foreign(f"{lib}.sha256")
 
 
-def _symlink(d, lib):
+def _symlink(d, lib, foreign):
     target = d.parent / "elsewhere.so"
     lib.rename(target)
     lib.symlink_to(target)
@@ -165,21 +211,25 @@ PLANTS = {"shared-0777-dir": (_shared_dir, False),
           "symlink": (_symlink, True)}
 
 
-_AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="plants another user's files (chown)")
+_AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="plants another user's files (chown); "
+                              "the simulated-owner case runs instead")
+# another user's files both ways where a case has them: chown (as root) and simulated
+CASES = [pytest.param(c, how, id=f"{c}-{how}", marks=[_AS_ROOT] if how == "chown" else [])
+         for c in PLANTS for how in (("chown", "simulated") if "foreign" in c else (None,))]
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=_AS_ROOT) if "foreign" in c else c
-                                  for c in PLANTS])
-def test_planted_library_is_never_loaded(case, cache, planted_lib, tmp_path):
+@pytest.mark.parametrize("case,how", CASES)
+def test_planted_library_is_never_loaded(case, how, cache, planted_lib, tmp_path, monkeypatch):
     """A library with a matching hash under qkv's exact name, in a directory writable by
     others, owned by someone else, or itself foreign, group-writable, a symbolic link or
-    with a foreign hash: never loaded (its constructor never runs); the kernel is rebuilt
-    (privately, or in place when the directory is the user's own) and works; said once."""
+    with a foreign hash (another user's: chown-ed as root, or simulated): never loaded (its
+    constructor never runs); the kernel is rebuilt (privately, or in place when the
+    directory is the user's own) and works; said once."""
     lib = c_kernels.build_shared(SOURCE, STEM, CC)
     assert lib.parent == cache
     _plant(lib, planted_lib)
     leave, in_place = PLANTS[case]
-    leave(cache, lib)
+    leave(cache, lib, how and _foreign_maker(how, monkeypatch))
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         fn = _load()
@@ -200,13 +250,13 @@ def test_planted_int8_kernel_in_a_shared_cache_is_never_loaded(cache, planted_li
                                                                  monkeypatch):
     """The same through a real kernel's loader: ``int8_kernel.load()`` in a 0777 cache
     builds privately and matches the torch ops, the planted constructor never runs."""
-    monkeypatch.setattr(int8_kernel, "_state", {})
+    monkeypatch.setattr(kernel_registry, "_loaded", {})
     monkeypatch.delenv("QKV_INT8_KERNEL", raising=False)
     assert int8_kernel.load() is not None
     (lib,) = cache.glob("int8-linear-*.so")
     _plant(lib, planted_lib)
     cache.chmod(0o777)
-    monkeypatch.setattr(int8_kernel, "_state", {})
+    monkeypatch.setattr(kernel_registry, "_loaded", {})
     monkeypatch.setattr(c_kernels, "_memo", {})
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")

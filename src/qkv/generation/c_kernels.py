@@ -1,12 +1,19 @@
 """Building and loading the optional C kernels of the decode steps (``int8_kernel``,
-``attention_kernel``, ``gemv_kernel``, ``row_step_kernel``): compile a C source once with the
-system's C compiler (``cc``, else ``gcc``; ``-O3 -march=native``, shared) into a cache
-directory, load it with ``ctypes`` (no torch headers, no Python extension build). Any failure
-gives None: the caller stays on its torch ops.
+``attention_kernel``, ``gemv_kernel``, ``row_step_kernel``; which files make which library,
+and every function's signature, are declared once in ``kernel_registry``): compile C sources
+once with the system's C compiler (``cc``, else ``gcc``; ``-O3 -march=native -Wall -Werror``,
+shared) into a cache directory, load the library with ``ctypes`` (no torch headers, no Python
+extension build). Any failure gives None: the caller stays on its torch ops.
+
+A source is one C text (compiled as ``{stem}.c``) or a mapping of file names to texts: its
+``.c`` files are compiled together into one library (separate translation units), its ``.h``
+files sit beside them for ``#include "..."``. A warning is a compile error (``-Werror``).
+This module imports nothing of qkv's (the tests load it on its own in a child process).
 
 The cache directory is ``$QKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/qkv``, else
 ``~/.cache/qkv``. A library is ``{stem}-{key}.so`` (``key``: a hash of the source, the flags,
-the compiler's version and the CPU's flags) with its SHA-256 beside it in
+the compiler's version and the CPU's flags; every file of the source, by name) with its
+SHA-256 beside it in
 ``{stem}-{key}.so.sha256``; both are written atomically (temp + rename). The rules, since a
 loaded library runs its code in this process:
 
@@ -47,12 +54,15 @@ import sys
 import tempfile
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["build_shared", "env_off", "load_function"]
+__all__ = ["Source", "build_shared", "env_off", "load_function", "load_library"]
 
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared"]
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-Wall", "-Werror", "-fPIC", "-shared"]
+
+Source = str | Mapping[str, str]
+"""One C text, or file name -> text (``.c`` files compiled together, ``.h`` files beside)."""
 
 #: Seconds ``cc --version`` may take, and one compile (its process group is killed after).
 _VERSION_TIMEOUT_S = 10.0
@@ -300,14 +310,30 @@ def _compiler_version(compiler: str) -> str:
     return version
 
 
-def _compile(source: str, stem: str, compiler: str, flags: list[str], directory: Path,
-             name: str) -> None:
-    """Compile ``source`` into ``directory/name`` (0700) and its hash ``name.sha256`` (0600),
-    each written atomically."""
+def _files(source: Source, stem: str) -> dict[str, str]:
+    """``source`` as file name -> text (one text is ``{stem}.c``); raises ``ValueError`` for
+    a name that is not a plain ``.c`` / ``.h`` file name, or no ``.c`` file."""
+    files = {f"{stem}.c": source} if isinstance(source, str) else dict(source)
+    for name in files:
+        if (not name.endswith((".c", ".h")) or name.startswith(".") or "/" in name
+                or os.sep in name):
+            raise ValueError(f"c_kernels: source file names must be plain .c or .h names, "
+                             f"got {name!r}")
+    if not any(name.endswith(".c") for name in files):
+        raise ValueError(f"c_kernels: the source of {stem!r} has no .c file")
+    return files
+
+
+def _compile(files: dict[str, str], stem: str, compiler: str, flags: list[str],
+             directory: Path, name: str) -> None:
+    """Compile the ``.c`` files of ``files`` into ``directory/name`` (0700) and its hash
+    ``name.sha256`` (0600), each written atomically."""
     with tempfile.TemporaryDirectory(dir=directory, prefix=".build-") as tmp:
-        Path(tmp, f"{stem}.c").write_text(source)
+        for file, text in files.items():
+            Path(tmp, file).write_text(text)
+        units = sorted(f for f in files if f.endswith(".c"))
         try:  # relative names: the library's bytes do not depend on the temp directory
-            done = _run([compiler, *flags, "-o", name, f"{stem}.c", "-lm"],
+            done = _run([compiler, *flags, "-o", name, *units, "-lm"],
                         _COMPILE_TIMEOUT_S, cwd=tmp)
         except subprocess.TimeoutExpired:
             raise _give_up(compiler, f"did not finish compiling {stem!r} within "
@@ -332,12 +358,16 @@ def _compile(source: str, stem: str, compiler: str, flags: list[str], directory:
         os.replace(digest, directory / digest.name)
 
 
-def _library(source: str, stem: str, compiler: str, flags: Sequence[str]) -> tuple[Path, int]:
+def _library(source: Source, stem: str, compiler: str, flags: Sequence[str]
+             ) -> tuple[Path, int]:
     """(path, checked descriptor) of the library of ``source``, built unless a good one is
     cached. Raises ``OSError`` / ``subprocess.SubprocessError`` on failure."""
+    files = _files(source, stem)
     flags = [*_FLAGS, *flags]
     version = _compiler_version(compiler)
-    key = hashlib.sha256("\0".join([source, *flags, version, _cpu_flags(),
+    texts = [source] if isinstance(source, str) else [
+        part for file in sorted(files) for part in (file, files[file])]
+    key = hashlib.sha256("\0".join([*texts, *flags, version, _cpu_flags(),
                                      platform.machine()]).encode()).hexdigest()[:16]
     name = f"{stem}-{key}.so"
     directory = _build_dir()
@@ -351,30 +381,33 @@ def _library(source: str, stem: str, compiler: str, flags: Sequence[str]) -> tup
                   "rebuilding it.")
         fd = None
     if fd is None:
-        _compile(source, stem, compiler, flags, directory, name)
+        _compile(files, stem, compiler, flags, directory, name)
         fd = _open_cached(directory, name)
         if fd is None:
             raise OSError(f"{directory / name} does not match its hash just after building")
     return directory / name, fd
 
 
-def build_shared(source: str, stem: str, compiler: str, flags: Sequence[str] = ()) -> Path:
-    """The checked shared library of C ``source`` compiled with ``compiler`` (``-O3
-    -march=native``, shared, + ``flags``): ``{stem}-{hash}.so`` in the cache directory (or
-    this process's private one when the cache may not be trusted; module docstring), built
-    unless a good one is there. Raises ``OSError`` / ``subprocess.SubprocessError`` on
-    failure."""
+def build_shared(source: Source, stem: str, compiler: str, flags: Sequence[str] = ()
+                 ) -> Path:
+    """The checked shared library of C ``source`` (one text or file name -> text) compiled
+    with ``compiler`` (``-O3 -march=native -Wall -Werror``, shared, + ``flags``):
+    ``{stem}-{hash}.so`` in the cache directory (or this process's private one when the
+    cache may not be trusted; module docstring), built unless a good one is there. Raises
+    ``OSError`` / ``subprocess.SubprocessError`` on failure."""
     path, fd = _library(source, stem, compiler, flags)
     os.close(fd)
     return path
 
 
-def load_function(source: str, stem: str, symbol: str, argtypes: list,
-                  flags: Sequence[str] = ()) -> object | None:
-    """The C function ``symbol`` of ``source`` (built as ``stem`` with the extra compiler
-    ``flags``; the cache rules are the module docstring's) with ``argtypes`` and an int
-    result, or None when there is no compiler, this is not Linux, or building or loading
-    fails (a hanging or broken compiler, a compile error: said once)."""
+def load_library(source: Source, stem: str, flags: Sequence[str] = ()
+                 ) -> ctypes.CDLL | None:
+    """The loaded shared library of C ``source`` (one text or file name -> text; built as
+    ``stem`` with the extra compiler ``flags``; the cache rules are the module docstring's),
+    or None when there is no compiler, this is not Linux, or building or loading fails (a
+    hanging or broken compiler, a compile error: said once). Raises ``ValueError`` for a
+    file name that is not a plain ``.c`` / ``.h`` name."""
+    _files(source, stem)
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None or platform.system() != "Linux":
         return None
@@ -390,7 +423,16 @@ def load_function(source: str, stem: str, symbol: str, argtypes: list,
         return None
     with _lock:
         _open_fds.append(fd)  # kept open: a reused number would name the loaded library
-    fn = getattr(lib, symbol, None)
+    return lib
+
+
+def load_function(source: Source, stem: str, symbol: str, argtypes: list,
+                  flags: Sequence[str] = ()) -> object | None:
+    """The C function ``symbol`` of ``source`` (``load_library``'s arguments) with
+    ``argtypes`` and an int result, or None when the library cannot be built or loaded here
+    (``load_library``) or has no ``symbol``."""
+    lib = load_library(source, stem, flags)
+    fn = None if lib is None else getattr(lib, symbol, None)
     if fn is None:
         return None
     fn.argtypes = argtypes

@@ -4,7 +4,9 @@ the epilogue ``acc·(a·s/127) + b`` (+ a residual), where the plain path runs ~
 
 Shapes: M rows, K input features, N output features.
 
-The C source below is compiled on first use (about one second) and loaded by
+The C code is ``kernels/int8.c``, declared as the ``"int8_linear"`` kernel of
+``kernel_registry`` (which also checks its tensors: ``kernel_registry.call("int8_linear",
+...)``), compiled on first use (about one second; ``-Wall -Werror``) and loaded by
 ``qkv.generation.c_kernels``. With AVX-512 VNNI it uses ``vpdpbusd`` on |xq| and the weight
 with xq's signs (exact: |xq|, |Wq| ≤ 127); elsewhere (or built with ``-DQKV_PORTABLE``, as
 the tests also do) plain C loops. The math is ``qkv.modules.quantized.int8_linear``'s,
@@ -18,181 +20,35 @@ the caller on the plain torch path. ``QKV_INT8_KERNEL=0`` turns it off.
 
 from __future__ import annotations
 
-import ctypes
-import threading
-
-from .c_kernels import env_off, load_function
+from . import kernel_registry
 
 __all__ = ["disabled", "load"]
 
-_lock = threading.Lock()
-_state: dict[str, object] = {}  # "fn": the loaded function or None once tried
-
-SOURCE = r"""
-#include <stdint.h>
-#include <math.h>
-#include <stddef.h>
-#if !defined(QKV_PORTABLE) && defined(__AVX512F__) && defined(__AVX512BW__) && \
-    defined(__AVX512VNNI__)
-#include <immintrin.h>
-#define QKV_VNNI 1
-#endif
-
-/* xq (M, K) int8 and a (M,) from x (M, K) fp32: a = max|x| (at least FLT_MIN),
-   xq = round_half_even((127 * x) / a); a non-finite a gives a zero row. */
-static void quantize_rows(const float *x, int64_t m, int64_t k, int8_t *xq, float *a) {
-    for (int64_t r = 0; r < m; r++) {
-        const float *xr = x + r * k;
-        /* max |x| over the bit patterns: for |x| as uint32 the order is the float order,
-           and a NaN is above +inf (an integer max, which vectorises) */
-        uint32_t top = 0;
-        for (int64_t i = 0; i < k; i++) {
-            uint32_t u;
-            __builtin_memcpy(&u, xr + i, sizeof u);
-            u &= 0x7FFFFFFFu;
-            top = u > top ? u : top;
-        }
-        float mx;
-        __builtin_memcpy(&mx, &top, sizeof mx);
-        if (top > 0x7F800000u) mx = NAN;
-        if (mx < 1.17549435e-38f) mx = 1.17549435e-38f;
-        a[r] = mx;
-        int8_t *qr = xq + r * k;
-        if (!isfinite(mx)) {
-            for (int64_t i = 0; i < k; i++) qr[i] = 0;
-            continue;
-        }
-        /* rintf: round half to even in the default mode, as lrintf (vectorises) */
-        for (int64_t i = 0; i < k; i++) qr[i] = (int8_t)(int32_t)rintf((127.0f * xr[i]) / mx);
-    }
-}
-
-#ifdef QKV_VNNI
-static inline __m512i dot_step(__m512i acc, __m512i xv, __m512i wv) {
-    __mmask64 neg = _mm512_movepi8_mask(xv);
-    __m512i sw = _mm512_mask_sub_epi8(wv, neg, _mm512_setzero_si512(), wv);
-    return _mm512_dpbusd_epi32(acc, _mm512_abs_epi8(xv), sw);
-}
-#endif
-
-static void dots(const int8_t *xq0, int64_t m, const int8_t *w, int64_t k, int64_t n0,
-                 int64_t n1, int32_t *out0) {
-#ifdef QKV_VNNI
-    int64_t full = k / 64 * 64;
-    __mmask64 tail = k > full ? (~0ULL >> (64 - (k - full))) : 0;
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) {
-        const int8_t *w0 = w + n * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
-        for (int64_t r = 0; r < m; r++) {
-        const int8_t *xq = xq0 + r * k;
-        int32_t *out = out0 + r * n1;
-        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t i = 0; i < full; i += 64) {
-            __m512i xv = _mm512_loadu_si512(xq + i);
-            a0 = dot_step(a0, xv, _mm512_loadu_si512(w0 + i));
-            a1 = dot_step(a1, xv, _mm512_loadu_si512(w1 + i));
-            a2 = dot_step(a2, xv, _mm512_loadu_si512(w2 + i));
-            a3 = dot_step(a3, xv, _mm512_loadu_si512(w3 + i));
-        }
-        if (tail) {
-            __m512i xv = _mm512_maskz_loadu_epi8(tail, xq + full);
-            a0 = dot_step(a0, xv, _mm512_maskz_loadu_epi8(tail, w0 + full));
-            a1 = dot_step(a1, xv, _mm512_maskz_loadu_epi8(tail, w1 + full));
-            a2 = dot_step(a2, xv, _mm512_maskz_loadu_epi8(tail, w2 + full));
-            a3 = dot_step(a3, xv, _mm512_maskz_loadu_epi8(tail, w3 + full));
-        }
-        out[n] = _mm512_reduce_add_epi32(a0);
-        out[n + 1] = _mm512_reduce_add_epi32(a1);
-        out[n + 2] = _mm512_reduce_add_epi32(a2);
-        out[n + 3] = _mm512_reduce_add_epi32(a3);
-        }
-    }
-    for (; n < n1; n++) {
-        const int8_t *w0 = w + n * k;
-        for (int64_t r = 0; r < m; r++) {
-        const int8_t *xq = xq0 + r * k;
-        int32_t *out = out0 + r * n1;
-        __m512i a0 = _mm512_setzero_si512();
-        for (int64_t i = 0; i < full; i += 64)
-            a0 = dot_step(a0, _mm512_loadu_si512(xq + i), _mm512_loadu_si512(w0 + i));
-        if (tail)
-            a0 = dot_step(a0, _mm512_maskz_loadu_epi8(tail, xq + full),
-                          _mm512_maskz_loadu_epi8(tail, w0 + full));
-        out[n] = _mm512_reduce_add_epi32(a0);
-        }
-    }
-#else
-    for (int64_t n = n0; n < n1; n++) {
-        const int8_t *wr = w + n * k;
-        for (int64_t r = 0; r < m; r++) {
-            const int8_t *xq = xq0 + r * k;
-            int32_t acc = 0;
-            for (int64_t i = 0; i < k; i++) acc += (int32_t)xq[i] * (int32_t)wr[i];
-            out0[r * n1 + n] = acc;
-        }
-    }
-#endif
-}
-
-/* y (M, N) = (xq @ wᵀ) * (a * s127) + bias (+ res): x (M, K) fp32 rows, w (N, K) int8
-   row-major, s127 (N,), bias (N,) or NULL, res (M, N) or NULL (may alias y);
-   scratch: xq (M, K) int8, acc (M, N) int32, a (M,) fp32. */
-int qkv_int8_linear(const float *x, int64_t m, int64_t k, const int8_t *w, int64_t n,
-                    const float *s127, const float *bias, const float *res, float *y,
-                    int8_t *xq, int32_t *acc, float *a) {
-    quantize_rows(x, m, k, xq, a);
-    dots(xq, m, w, k, 0, n, acc);
-    for (int64_t r = 0; r < m; r++) {
-        const int32_t *ac = acc + r * n;
-        float *yr = y + r * n;
-        const float ar = a[r];
-        for (int64_t j = 0; j < n; j++) {
-            /* as torch's addcmul(bias, acc, a·s) and mul(acc, a·s) compute it */
-            float v = bias ? fmaf((float)ac[j], ar * s127[j], bias[j])
-                           : (float)ac[j] * (ar * s127[j]);
-            if (res) v = v + res[r * n + j];
-            yr[j] = v;
-        }
-    }
-    return 0;
-}
-
-int qkv_int8_vnni(void) {
-#ifdef QKV_VNNI
-    return 1;
-#else
-    return 0;
-#endif
-}
-"""
+# (symbol, portable) -> the registry's kernel
+_KERNELS = {("qkv_int8_linear", False): "int8_linear",
+            ("qkv_int8_linear", True): "int8_linear_portable",
+            ("qkv_int8_vnni", False): "int8_vnni", ("qkv_int8_vnni", True): "int8_vnni_portable"}
 
 
 def disabled() -> bool:
     """True when ``QKV_INT8_KERNEL=0`` (or "false"/"off") turns the fused kernel off."""
-    return env_off("QKV_INT8_KERNEL")
+    return kernel_registry.disabled("int8_linear")
 
 
 def load():
-    """The C function ``qkv_int8_linear`` (ctypes; arguments in the source), or None when the
-    kernel is turned off or cannot be built or loaded here. Built once per process."""
-    if disabled():
-        return None
-    return _load("qkv_int8_linear")
+    """The raw C function ``qkv_int8_linear(x, m, k, w, n, s127, bias, res, y, xq, acc, a)``
+    (ctypes; int pointers, nothing checked; the arguments are described in
+    ``kernels/int8.c`` and declared in ``kernel_registry``), or None when the kernel is
+    turned off or cannot be built or loaded here. Built once per process."""
+    return kernel_registry.load("int8_linear")
 
 
 def _load(symbol: str, *, portable: bool = False):
     """``symbol`` (``qkv_int8_linear``, or ``qkv_int8_vnni``: 1 when the VNNI branch was
     compiled) of the build for this CPU, or with ``portable`` of the build that keeps the
     plain C loops whatever the CPU (``-DQKV_PORTABLE``; for the tests); None when it cannot
-    be built or loaded. Each built once per process."""
-    # "fn": the one load() hands out
-    key = "fn" if (symbol, portable) == ("qkv_int8_linear", False) else (symbol, portable)
-    with _lock:
-        if key not in _state:
-            p, i = ctypes.c_void_p, ctypes.c_int64
-            argtypes = [p, i, i, p, i, p, p, p, p, p, p, p] if symbol == "qkv_int8_linear" \
-                else []
-            _state[key] = load_function(SOURCE, "int8-linear-portable" if portable
-                                        else "int8-linear", symbol, argtypes,
-                                        flags=("-DQKV_PORTABLE",) if portable else ())
-        return _state[key]
+    be built or loaded (or, for ``qkv_int8_linear`` of the native build, turned off: the
+    switch is ``load()``'s). Each built once per process."""
+    if (symbol, portable) not in _KERNELS:
+        raise ValueError(f"int8_kernel._load: no symbol {symbol!r}")
+    return kernel_registry.load(_KERNELS[symbol, portable])
