@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..modules.cache import KVCache
+from . import kernel_registry
 from .linears import Int8KernelLinears
 from .plan import DecodePlan
 from .row_step_kernel import RowLayers
@@ -50,6 +51,9 @@ class CLayers:
             wt = [lin.weight.detach().t().contiguous() for lin in lins]  # (in, out)
             linears = [(w, None, lin.bias) for w, lin in zip(wt[:-1], lins, strict=False)]
             head_w = wt[-1]  # (C, V)
+            width, vocab = head_w.shape
+            kernel_registry.check("gemv", x=torch.empty(width), w=head_w, b=None, res=None,
+                                  y=torch.empty(vocab), k=width, n=vocab)  # checked once
 
             def head(h: Tensor) -> Tensor:
                 h = h.contiguous()

@@ -27,6 +27,7 @@ from torch import Tensor
 from ..modules.activations import ACTIVATION_TABLE
 from ..modules.quantized import int8_linear
 from ..ops import fast_linear as _fast_linear
+from . import kernel_registry
 from .plan import DecodePlan
 
 __all__ = ["PACKED_MIN_WEIGHTS", "DenseLinears", "Int8KernelLinears", "Int8Linears",
@@ -150,7 +151,9 @@ class Int8Linears(_Kind):
 
 class Int8KernelLinears(_Kind):
     """int8 projections, each one call of the C kernel ``int8_kernel`` (quantize, int8 dot
-    products and epilogue); ``fn`` is its loaded function."""
+    products and epilogue); ``fn`` is its loaded function. Each projection's weight, scale and
+    bias are checked against the kernel's declaration once (``kernel_registry.check``); the
+    per-call inputs are this class's own contiguous fp32 rows and scratch."""
 
     def __init__(self, plan: DecodePlan, fn) -> None:
         super().__init__(plan)
@@ -172,7 +175,13 @@ class Int8KernelLinears(_Kind):
 
     def _spec(self, lin) -> tuple:
         n, k = lin.shape  # (w, N, K, s/127, bias)
-        return (self._ptr(lin.weight_int8), n, k, self._ptr(lin.scale127), self._ptr(lin.bias))
+        w, s, b = (None if t is None else t.contiguous()
+                   for t in (lin.weight_int8, lin.scale127, lin.bias))
+        kernel_registry.check(  # the fixed tensors against the declaration, once
+            "int8_linear", x=torch.empty(1, k), m=1, k=k, w=w, n=n, s127=s, bias=b, res=None,
+            y=torch.empty(1, n), xq=torch.empty(1, k, dtype=torch.int8),
+            acc=torch.empty(1, n, dtype=torch.int32), a=torch.empty(1))
+        return (self._ptr(w), n, k, self._ptr(s), self._ptr(b))
 
     def _scratch(self, rows: int) -> tuple[int, int, int]:
         if rows > self.scratch_rows:

@@ -11,7 +11,10 @@ feed-forward in + activation (gated: act(gate)·up) -> out + residual. Attention
 token per row (a step) is ``baddbmm`` (scores·scale + the padding bias, one op) -> softmax ->
 ``bmm`` over (R·Hkv, g, ·) batches of the cache, GQA without expanding keys; or, fp32 on one
 thread where it builds, one call of the C kernel ``attention_kernel`` per layer, which skips
-the padded keys. Several new tokens per row (``run(n)``: prompt lookup and speculative
+the padded keys (its buffers checked once against the kernel's declaration when the runner is
+built, ``kernel_registry.check``; the per-token calls pass the checked pointers, and q's,
+which is a view of the projection or the rotated copy this runner just made). Several new
+tokens per row (``run(n)``: prompt lookup and speculative
 verification) go through ``scaled_dot_product_attention`` with the padding and causal
 (bottom-right) mask.
 """
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..modules.cache import KVCache
+from . import kernel_registry
 from .plan import DecodePlan
 
 __all__ = ["TorchLayers"]
@@ -55,6 +59,12 @@ class TorchLayers:
         if attention_kernel is not None:
             self.attn_out = torch.empty(rows, plan.heads * d, dtype=plan.dtype)  # (R, H·D)
             self.scratch = torch.empty(plan.group * cap, dtype=plan.dtype)
+            q = torch.empty(rows, (plan.heads + 2 * hkv) * d, dtype=plan.dtype)  # (R, P)
+            for kc in cache:  # every buffer the per-token calls pass, checked once
+                kernel_registry.check(
+                    "attention", q=q, qr=q.stride(0), k=kc.keys, v=kc.values, kb=cap * d,
+                    nbh=rows * hkv, hkv=hkv, g=plan.group, s=cap, d=d, bias=bias, bb=cap,
+                    scale=self.scale, out=self.attn_out, scratch=self.scratch)
         self.norms = [(lp.norm1, lp.norm2) for lp in plan.layers]
 
     def head(self, h: Tensor) -> Tensor:
