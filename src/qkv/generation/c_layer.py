@@ -52,8 +52,9 @@ class CLayers:
             linears = [(w, None, lin.bias) for w, lin in zip(wt[:-1], lins, strict=False)]
             head_w = wt[-1]  # (C, V)
             width, vocab = head_w.shape
-            kernel_registry.check("gemv", x=torch.empty(width), w=head_w, b=None, res=None,
-                                  y=torch.empty(vocab), k=width, n=vocab)  # checked once
+            kernel_registry.check("gemv", x=torch.empty(width, dtype=torch.float32), w=head_w,
+                                  b=None, res=None, y=torch.empty(vocab, dtype=torch.float32),
+                                  k=width, n=vocab)  # checked once
 
             def head(h: Tensor) -> Tensor:
                 h = h.contiguous()

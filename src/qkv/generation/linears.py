@@ -178,9 +178,10 @@ class Int8KernelLinears(_Kind):
         w, s, b = (None if t is None else t.contiguous()
                    for t in (lin.weight_int8, lin.scale127, lin.bias))
         kernel_registry.check(  # the fixed tensors against the declaration, once
-            "int8_linear", x=torch.empty(1, k), m=1, k=k, w=w, n=n, s127=s, bias=b, res=None,
-            y=torch.empty(1, n), xq=torch.empty(1, k, dtype=torch.int8),
-            acc=torch.empty(1, n, dtype=torch.int32), a=torch.empty(1))
+            "int8_linear", x=torch.empty(1, k, dtype=torch.float32), m=1, k=k, w=w, n=n,
+            s127=s, bias=b, res=None, y=torch.empty(1, n, dtype=torch.float32),
+            xq=torch.empty(1, k, dtype=torch.int8), acc=torch.empty(1, n, dtype=torch.int32),
+            a=torch.empty(1, dtype=torch.float32))
         return (self._ptr(w), n, k, self._ptr(s), self._ptr(b))
 
     def _scratch(self, rows: int) -> tuple[int, int, int]:

@@ -13,8 +13,10 @@ token per row (a step) is ``baddbmm`` (scores·scale + the padding bias, one op)
 thread where it builds, one call of the C kernel ``attention_kernel`` per layer, which skips
 the padded keys (its buffers checked once against the kernel's declaration when the runner is
 built, ``kernel_registry.check``; the per-token calls pass the checked pointers, and q's,
-which is a view of the projection or the rotated copy this runner just made). Several new
-tokens per row (``run(n)``: prompt lookup and speculative
+which is a view of the projection or the rotated copy this runner just made). int8 plans
+attend one query through ``scaled_dot_product_attention`` as the modules do (their layers
+re-quantize every activation: another rounding order could move a value across a rounding
+boundary). Several new tokens per row (``run(n)``: prompt lookup and speculative
 verification) go through ``scaled_dot_product_attention`` with the padding and causal
 (bottom-right) mask.
 """
@@ -66,6 +68,10 @@ class TorchLayers:
                     nbh=rows * hkv, hkv=hkv, g=plan.group, s=cap, d=d, bias=bias, bb=cap,
                     scale=self.scale, out=self.attn_out, scratch=self.scratch)
         self.norms = [(lp.norm1, lp.norm2) for lp in plan.layers]
+        # int8 plans attend one query through SDPA, as the modules do: int8 layers re-quantize
+        # every activation, so another fp32 rounding order of attention can move a value
+        # across a rounding boundary and the tokens away from the quantized model's own
+        self.sdpa_one = plan.int8 and attention_kernel is None
 
     def head(self, h: Tensor) -> Tensor:
         """Logits (M, V) of final-normed rows h (M, C)."""
@@ -114,6 +120,8 @@ class TorchLayers:
         qs, vs = self.split
         s = t + n
         mask = self._mask(t, n) if n > 1 else None
+        if n == 1 and self.sdpa_one and self.bias is not None:  # (R, 1, 1, s), True = attend
+            mask = self.bias.view(rows, -1, 1, self.cap)[:, :1, :, :s] == 0
         for i, (kc, (norm1, norm2)) in enumerate(zip(self.cache, self.norms, strict=True)):
             proj = lin.linear(norm1(x), 4 * i)  # (R·n, P)
             p = proj.view(rows, n, -1)
@@ -126,7 +134,7 @@ class TorchLayers:
                     q = q.contiguous()
             kc.keys[:, :, t:s] = k
             kc.values[:, :, t:s] = v
-            if n == 1:
+            if n == 1 and not self.sdpa_one:
                 a = self._attend_one(q, i, s, proj)  # (R, H·D)
             else:
                 a = F.scaled_dot_product_attention(
