@@ -29,6 +29,7 @@ from _fast_gpt_models import tiny_gpt
 
 from qkv.generation import attention_kernel, c_kernels, kernel_registry, row_step_kernel
 from qkv.generation.kernel_registry import KERNELS, LIBRARIES, ROW_LAYER
+from qkv.generation.plan import decode_plan
 from qkv.generation.row_step_kernel import RowLayers
 from qkv.modules.quantized import int8_linear, quantize_weight, scale127
 
@@ -313,17 +314,17 @@ def test_row_layers_build_checks_every_pointer(shared):
     _need_compiler()
     model = tiny_gpt()
     linears, cache = _row_inputs(model)
-    assert RowLayers.build(model, linears, cache, None, quant=False) is not None
+    assert RowLayers.build(decode_plan(model), linears, cache, None, quant=False) is not None
 
     bad = list(linears)
     bad[6] = (bad[6][0].double(), None, bad[6][2])  # layer 1's fc_in
     with pytest.raises(TypeError, match=r"RowLayers: layer 1 \(qkv_row_layer\): w_fc must be "
                                         r"a torch.float32 tensor, got torch.float64"):
-        RowLayers.build(model, bad, cache, None, quant=False)
+        RowLayers.build(decode_plan(model), bad, cache, None, quant=False)
 
     int8 = [(quantize_weight(w.t())[0], None, b) for w, _, b in linears]
     with pytest.raises(ValueError, match=r"layer 0 .*s_in is required when quant is 1"):
-        RowLayers.build(model, int8, cache, None, quant=True)
+        RowLayers.build(decode_plan(model), int8, cache, None, quant=True)
 
     for case, error, match in (
             ("strided", ValueError, r"layer 1 .*keys must be contiguous"),
@@ -338,4 +339,4 @@ def test_row_layers_build_checks_every_pointer(shared):
         else:
             kc.keys = kc.keys[:, :, :-1].contiguous()
         with pytest.raises(error, match=match):
-            RowLayers.build(model, linears, cache, None, quant=False)
+            RowLayers.build(decode_plan(model), linears, cache, None, quant=False)

@@ -85,10 +85,6 @@ def _plan_check(plan: DecodePlan | None, dtype: torch.dtype, device: torch.devic
 def _c_layer_check(plan: DecodePlan) -> str | None:
     """The reason the C layer kernel cannot compute ``plan``, or None."""
     from ..modules.activations import ACTIVATION_TABLE
-    if plan.norm_kind != "layernorm":
-        return f"the C layer computes LayerNorm, not {plan.norm_kind}"
-    if plan.gated:
-        return "the C layer has no gated feed-forward"
     if ACTIVATION_TABLE[plan.activation].c_code is None:
         return f"the C layer has no {plan.activation}"
     if plan.group > attention_kernel.MAX_GROUP:

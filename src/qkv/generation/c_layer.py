@@ -62,7 +62,7 @@ class CLayers:
                 gemv(h.data_ptr(), head_w.data_ptr(), None, None, out.data_ptr(),
                      *head_w.shape)
                 return out
-        rows = RowLayers.build(plan.model, linears, cache, bias, quant=plan.int8)
+        rows = RowLayers.build(plan, linears, cache, bias)
         return None if rows is None else cls(plan, rows, head)
 
     def head(self, h: Tensor) -> Tensor:

@@ -160,28 +160,32 @@ LIBRARIES = (GEMV, ATTENTION, INT8, INT8_PORTABLE, DECODE_LAYER)
 _P = "(g + 2) * hkv * d"  # qkv_row_layer: the fused q/k/v projection's width P
 ROW_LAYER = Struct("qkv_row_layer", (
     *(Int(n) for n in ("rows", "c", "hkv", "g", "d", "f", "cap", "act", "quant",
-                       "interleaved")),
+                       "interleaved", "norm", "gated")),
     Float("eps1"), Float("eps2"), Float("scale"),
     *(Ptr(n, F32, "c", optional=True) for n in ("ln1_w", "ln1_b", "ln2_w", "ln2_b")),
     Ptr("w_in", (F32, I8), f"c * {_P}", dtype_by="quant"),
     Ptr("w_out", (F32, I8), "hkv * g * d * c", dtype_by="quant"),
-    Ptr("w_fc", (F32, I8), "c * f", dtype_by="quant"),
+    Ptr("w_fc", (F32, I8), "c * f * (1 + gated)", dtype_by="quant"),
     Ptr("w_proj", (F32, I8), "f * c", dtype_by="quant"),
     *(Ptr(n, F32, e, optional=True, required_when="quant")
-      for n, e in (("s_in", _P), ("s_out", "c"), ("s_fc", "f"), ("s_proj", "c"))),
+      for n, e in (("s_in", _P), ("s_out", "c"), ("s_fc", "f * (1 + gated)"),
+                   ("s_proj", "c"))),
     *(Ptr(n, F32, e, optional=True)
-      for n, e in (("b_in", _P), ("b_out", "c"), ("b_fc", "f"), ("b_proj", "c"))),
+      for n, e in (("b_in", _P), ("b_out", "c"), ("b_fc", "f * (1 + gated)"),
+                   ("b_proj", "c"))),
     Ptr("keys", F32, "rows * hkv * cap * d", written=True),
     Ptr("values", F32, "rows * hkv * cap * d", written=True),
     Ptr("bias", F32, "rows * hkv * cap", optional=True),
-    Ptr("work", F32, f"rows * (c + {_P} + hkv * g * d + f) + g * cap", written=True),
+    Ptr("work", F32, f"rows * (c + {_P} + hkv * g * d + f * (1 + gated)) + g * cap",
+        written=True),
     Ptr("xq", I8, "rows * max(c, hkv * g * d, f)", optional=True, written=True,
         required_when="quant"),
-    Ptr("acc", I32, f"rows * max({_P}, c, f)", optional=True, written=True,
+    Ptr("acc", I32, f"rows * max({_P}, c, f * (1 + gated))", optional=True, written=True,
         required_when="quant"),
     Ptr("amax", F32, "rows", optional=True, written=True, required_when="quant"),
 ), rules=("rows >= 1", "c >= 1", "hkv >= 1", "1 <= g <= 64", "d >= 1", "f >= 1", "cap >= 1",
-          "0 <= act <= 4", "0 <= quant <= 1", "0 <= interleaved <= 1", "quant or rows == 1"))
+          "0 <= act <= 4", "0 <= quant <= 1", "0 <= interleaved <= 1", "0 <= norm <= 1",
+          "0 <= gated <= 1", "quant or rows == 1"))
 
 _ATTN_Q = "(nbh // hkv - 1) * qr + hkv * g * d"
 KERNELS: dict[str, Kernel] = {k.name: k for k in (

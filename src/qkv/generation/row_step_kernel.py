@@ -1,26 +1,28 @@
-"""An optional C kernel for the lean decode steps (``fast_gpt`` at one fp32 row, ``fast_int8``
-at any number of rows): a whole pre-norm GPT layer in one call — layer norm, the fused q/k/v
-projection, RoPE, the new key/value into the cache slot, attention over the cache,
-out-projection + residual, layer norm, feed-forward with its activation, + residual.
+"""An optional C kernel for the decode engine's C layer backends (``c-layer-fp32`` at one
+row, ``c-layer-int8`` at any number of rows; ``generation/c_layer.py``): a whole pre-norm
+layer in one call — norm, the fused q/k/v projection, RoPE, the new key/value into the cache
+slot, attention over the cache, out-projection + residual, norm, feed-forward (plain or
+gated) with its activation, + residual.
 
 Shapes: R rows, C width, H heads, Hkv key/value heads, g = H / Hkv, D head dim,
 P = (H + 2·Hkv)·D, F feed-forward width, cap the cache's capacity, S = t + 1 keys.
 
-At one row a decode step is bound by reading every weight once, and what torch's ops add
-around the products (~13 layer norms, 12 cache copies, 6 activations and their Python
-dispatch) was ~0.6 ms of a ~4.2 ms fp32 token here. This kernel runs all of it in C around
-the products (``gemv_kernel``'s for fp32 weights, ``int8_kernel``'s for int8 ones; their
-files and ``attention_kernel``'s are linked into one library with it), so Python calls it once
-per layer. Each row is computed on its own (norms, int8 activation scale, attention): a row
-gives the same numbers alone as in a batch.
+At one row a decode step is bound by reading every weight once; this kernel runs everything
+around the products in C (the products ``gemv_kernel``'s for fp32 weights, ``int8_kernel``'s
+for int8 ones; their files and ``attention_kernel``'s are linked into one library with it),
+so Python calls it once per layer (what that saves: BENCHMARKS.md, "Inference at the
+machine's limit"). Each row is computed on its own (norms, int8 activation scale,
+attention): a row gives the same numbers alone as in a batch.
 
 The math is the modules': ``LayerNorm`` ((x - mean) / sqrt(var + eps) · w + b, biased
-variance, two passes, double accumulators), the products in their kernels' order, attention
-as ``attention_kernel``, RoPE's rotation (both pair layouts) with ``RoPE.cos_sin``'s angles,
-the activations by their formulas (``relu``; ``gelu``: 0.5·x·(1 + erf(x/√2)); ``gelu_tanh``:
-0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))); ``silu``: x / (1 + exp(-x)); ``quick_gelu``:
-x / (1 + exp(-1.702·x))) — another rounding order than torch's vectorised ops, |diff| ~1e-7
-relative (fp32).
+variance, two passes, double accumulators) or ``RMSNorm`` (x / sqrt(mean(x²) + eps) · w, a
+double accumulator), the products in their kernels' order, attention as
+``attention_kernel``, RoPE's rotation (both pair layouts) with ``RoPE.cos_sin``'s angles,
+the activations by their formulas and codes in ``qkv.modules.activations`` (``relu``;
+``gelu``: 0.5·x·(1 + erf(x/√2)); ``gelu_tanh``: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)));
+``silu``: x / (1 + exp(-x)); ``quick_gelu``: x / (1 + exp(-1.702·x))), a gated FFN as
+act(gate)·up — another rounding order than torch's vectorised ops, |diff| ~1e-7 relative
+(fp32).
 
 The C code is ``kernels/decode_layer.c`` with the ``qkv_row_layer`` struct of
 ``kernels/qkv_kernels.h``, declared in ``kernel_registry`` (the ``"decode_layer"`` kernel and
@@ -39,14 +41,12 @@ import ctypes
 import torch
 from torch import Tensor
 
-from ..models.gpt import GPT
+from ..modules.activations import ACTIVATION_TABLE
 from ..modules.cache import KVCache
 from . import attention_kernel, kernel_registry
+from .plan import DecodePlan
 
-__all__ = ["ACTIVATION_CODES", "RowLayers", "disabled", "load"]
-
-ACTIVATION_CODES = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3, "quick_gelu": 4}
-"""The feed-forward activations the kernel computes, by ``GPTConfig.activation`` name."""
+__all__ = ["RowLayers", "disabled", "load"]
 
 _Layer = kernel_registry.ROW_LAYER.ctype
 """``qkv_row_layer`` of ``kernels/qkv_kernels.h``, field for field (a ``ctypes.Structure``
@@ -94,17 +94,20 @@ class RowLayers:
         self._addresses = [ctypes.addressof(la) for la in layers]
 
     @classmethod
-    def build(cls, model: GPT, linears: list[Linear], cache: list[KVCache],
-              bias: Tensor | None, *, quant: bool) -> RowLayers | None:
-        """The layers of ``model`` (a ``fast_gpt.plain_gpt`` with fp32 embeddings) on
-        contiguous caches of R rows (``quant=False``: R must be 1).
+    def build(cls, plan: DecodePlan, linears: list[Linear], cache: list[KVCache],
+              bias: Tensor | None, *, quant: bool | None = None) -> RowLayers | None:
+        """The layers of ``plan`` (fp32 embeddings) on contiguous caches of R rows (fp32
+        weights: R must be 1): LayerNorm or RMSNorm, the plain or gated (act(gate)·up)
+        feed-forward, the plan's activation by its C code
+        (``qkv.modules.activations.ACTIVATION_TABLE``).
 
         Args:
-            linears: 4 per layer (in_proj, out_proj, fc_in, fc_out): fp32 (in, out) weights
-                with no scale (``quant=False``; ``fast_gpt.transposed_weights``), or int8
-                (out, in) weights with their scale / 127 (``quant=True``; ``QuantizedLinear``).
+            linears: 4 per layer (qkv, out, ffn_in, ffn_out): fp32 (in, out) weights with no
+                scale (``quant`` False), or int8 (out, in) weights with their scale / 127
+                (``quant`` True; ``QuantizedLinear``'s).
             bias: the (R·Hkv, 1, cap) additive key bias (-inf at padded prompt positions),
                 contiguous, or None.
+            quant: the weights' form; default ``plan.int8``.
 
         Returns None when the activation has no C form or the kernel cannot be loaded.
         Raises ``TypeError`` (a wrong dtype, a tensor not on the CPU) or ``ValueError`` (a
@@ -113,13 +116,12 @@ class RowLayers:
         pointer is checked against ``kernel_registry.ROW_LAYER`` (read-only tensors are
         made contiguous copies first; the caches and the bias are written or read in place,
         never copied)."""
-        c = model.config
+        quant = plan.int8 if quant is None else quant
         fn = load()
         rows = cache[0].keys.shape[0]
-        heads, kv_heads = c.num_heads, c.num_kv_heads or c.num_heads
-        if (fn is None or attention_kernel.disabled() or c.activation not in ACTIVATION_CODES
-                or (rows != 1 and not quant)
-                or heads // kv_heads > attention_kernel.MAX_GROUP):
+        code = ACTIVATION_TABLE[plan.activation].c_code
+        if (fn is None or attention_kernel.disabled() or code is None
+                or (rows != 1 and not quant) or plan.group > attention_kernel.MAX_GROUP):
             return None
         keep: list[Tensor] = []
 
@@ -135,27 +137,29 @@ class RowLayers:
                 keep.append(t)
             return t
 
-        d = c.head_dim
+        d, heads, kv_heads, width, ffn = (plan.head_dim, plan.heads, plan.kv_heads,
+                                          plan.width, plan.ffn)
+        fc_width = 2 * ffn if plan.gated else ffn
         cap = cache[0].keys.shape[2]
-        ffn = model.layers[0].ffn.fc_in.out_features
-        work = written(torch.empty(_work_floats(rows, c.dim, heads, kv_heads, d, ffn, cap),
+        work = written(torch.empty(_work_floats(rows, width, heads, kv_heads, d, fc_width, cap),
                                    dtype=torch.float32))
-        widest = max(c.dim, heads * d, ffn, (heads + 2 * kv_heads) * d)
+        widest = max(width, heads * d, fc_width, (heads + 2 * kv_heads) * d)
         xq = written(torch.empty(rows * widest, dtype=torch.int8))
         acc = written(torch.empty(rows * widest, dtype=torch.int32))
         amax = written(torch.empty(rows, dtype=torch.float32))
         layers = []
-        for i, (layer, kc) in enumerate(zip(model.layers, cache, strict=True)):
+        for i, (lp, kc) in enumerate(zip(plan.layers, cache, strict=True)):
             (w_in, s_in, b_in), (w_out, s_out, b_out), (w_fc, s_fc, b_fc), (
                 w_proj, s_proj, b_proj) = linears[4 * i:4 * i + 4]
-            n1, n2 = layer.norm1, layer.norm2
+            n1, n2 = lp.norm1, lp.norm2
             # every pointer checked against kernel_registry.ROW_LAYER: dtype, CPU,
             # contiguous, element count (TypeError / ValueError naming the layer and field)
             layers.append(kernel_registry.make_struct(
                 kernel_registry.ROW_LAYER, f"RowLayers: layer {i}",
-                rows=rows, c=c.dim, hkv=kv_heads, g=heads // kv_heads, d=d, f=ffn, cap=cap,
-                act=ACTIVATION_CODES[c.activation], quant=int(quant),
-                interleaved=int(model.rope is not None and model.rope.interleaved),
+                rows=rows, c=width, hkv=kv_heads, g=plan.group, d=d, f=ffn, cap=cap,
+                act=code, quant=int(quant),
+                interleaved=int(plan.rope is not None and plan.rope.interleaved),
+                norm=int(plan.norm_kind == "rmsnorm"), gated=int(plan.gated),
                 eps1=float(n1.eps), eps2=float(n2.eps), scale=1.0 / d ** 0.5,
                 ln1_w=read(n1.weight), ln1_b=read(n1.bias), ln2_w=read(n2.weight),
                 ln2_b=read(n2.bias), w_in=read(w_in), w_out=read(w_out), w_fc=read(w_fc),
@@ -163,7 +167,7 @@ class RowLayers:
                 s_proj=read(s_proj), b_in=read(b_in), b_out=read(b_out), b_fc=read(b_fc),
                 b_proj=read(b_proj), keys=written(kc.keys), values=written(kc.values),
                 bias=written(bias), work=work, xq=xq, acc=acc, amax=amax))
-        return cls(fn, layers, rows, model.rope, keep)
+        return cls(fn, layers, rows, plan.rope, keep)
 
     def __call__(self, x: Tensor, t: int, rope_pos: Tensor | None) -> None:
         """Run every layer on the rows x (R, C) fp32 contiguous, in place, writing cache slot

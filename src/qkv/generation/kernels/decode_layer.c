@@ -1,4 +1,4 @@
-/* qkv_decode_layer: a whole pre-norm GPT layer of the lean decode steps in one call
+/* qkv_decode_layer: a whole pre-norm layer of the decode engine's C layer in one call
    (row_step_kernel.py says what it is for); linked with gemv.c, attention.c and int8.c,
    whose functions it calls. qkv_row_layer (qkv_kernels.h) holds its fixed arguments.
    Shapes: R rows, C width, H heads, Hkv key/value heads, g = H / Hkv, D head dim,
@@ -19,6 +19,26 @@ static void layer_norm_row(const float *x, int64_t c, const float *w, const floa
         if (b) z += b[i];
         y[i] = z;
     }
+}
+
+/* RMSNorm: y = x / sqrt(mean(x²) + eps) · w, a double accumulator. */
+static void rms_norm_row(const float *x, int64_t c, const float *w, float eps, float *y) {
+    double sq = 0.0;
+    for (int64_t i = 0; i < c; i++) sq += (double)x[i] * (double)x[i];
+    float rstd = (float)(1.0 / sqrt(sq / (double)c + (double)eps));
+    for (int64_t i = 0; i < c; i++) {
+        float z = x[i] * rstd;
+        if (w) z *= w[i];
+        y[i] = z;
+    }
+}
+
+static void norm_row(const qkv_row_layer *L, const float *x, const float *w, const float *b,
+                     float eps, float *y) {
+    if (L->norm)
+        rms_norm_row(x, L->c, w, eps, y);
+    else
+        layer_norm_row(x, L->c, w, b, eps, y);
 }
 
 static void activate(float *f, int64_t n, int act) {
@@ -69,12 +89,13 @@ static void row_linear(const qkv_row_layer *L, const float *x, int64_t m, const 
 int qkv_decode_layer(const qkv_row_layer *L, float *x, int64_t m, int64_t t, const float *cs,
                      const float *sn) {
     int64_t c = L->c, hkv = L->hkv, d = L->d, cap = L->cap, f = L->f;
+    int64_t fw = L->gated ? 2 * f : f;  /* fc_in's width */
     int64_t hd = hkv * L->g * d, p = hd + 2 * hkv * d;
     float *h = L->work, *proj = h + m * c, *a = proj + m * p, *ff = a + m * hd;
-    float *scratch = ff + m * f;
+    float *scratch = ff + m * fw;
     if (t < 0 || t >= cap || m < 1 || m > L->rows || (!L->quant && m != 1)) return 2;
     for (int64_t r = 0; r < m; r++)
-        layer_norm_row(x + r * c, c, L->ln1_w, L->ln1_b, L->eps1, h + r * c);
+        norm_row(L, x + r * c, L->ln1_w, L->ln1_b, L->eps1, h + r * c);
     row_linear(L, h, m, L->w_in, L->s_in, L->b_in, NULL, proj, c, p);
     for (int64_t r = 0; r < m; r++) {
         float *pr = proj + r * p;
@@ -93,9 +114,17 @@ int qkv_decode_layer(const qkv_row_layer *L, float *x, int64_t m, int64_t t, con
     if (rc) return rc;
     row_linear(L, a, m, L->w_out, L->s_out, L->b_out, x, x, hd, c);
     for (int64_t r = 0; r < m; r++)
-        layer_norm_row(x + r * c, c, L->ln2_w, L->ln2_b, L->eps2, h + r * c);
-    row_linear(L, h, m, L->w_fc, L->s_fc, L->b_fc, NULL, ff, c, f);
-    activate(ff, m * f, (int)L->act);
+        norm_row(L, x + r * c, L->ln2_w, L->ln2_b, L->eps2, h + r * c);
+    row_linear(L, h, m, L->w_fc, L->s_fc, L->b_fc, NULL, ff, c, fw);
+    if (L->gated) {  /* row r: act(gate) * up into ff[r*f .. r*f + f), reading ahead of it */
+        for (int64_t r = 0; r < m; r++) {
+            float *gate = ff + r * fw, *up = gate + f, *out = ff + r * f;
+            activate(gate, f, (int)L->act);
+            for (int64_t i = 0; i < f; i++) out[i] = gate[i] * up[i];
+        }
+    } else {
+        activate(ff, m * f, (int)L->act);
+    }
     row_linear(L, ff, m, L->w_proj, L->s_proj, L->b_proj, x, x, f, c);
     return 0;
 }
@@ -107,6 +136,7 @@ int qkv_row_layer_layout(int64_t *out, int64_t n) {
         offsetof(qkv_row_layer, d), offsetof(qkv_row_layer, f),
         offsetof(qkv_row_layer, cap), offsetof(qkv_row_layer, act),
         offsetof(qkv_row_layer, quant), offsetof(qkv_row_layer, interleaved),
+        offsetof(qkv_row_layer, norm), offsetof(qkv_row_layer, gated),
         offsetof(qkv_row_layer, eps1), offsetof(qkv_row_layer, eps2),
         offsetof(qkv_row_layer, scale),
         offsetof(qkv_row_layer, ln1_w), offsetof(qkv_row_layer, ln1_b),

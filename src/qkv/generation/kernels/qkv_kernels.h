@@ -35,9 +35,11 @@ int qkv_int8_vnni(void);
 /* The fixed arguments of one layer (built once per layer by RowLayers). Weights: fp32
    (in, out) row-major when quant is 0; int8 (out, in) row-major with s_* the per-output
    scale / 127 (qkv_int8_linear's math) when quant is 1. Any bias, norm weight or scale
-   pointer may be NULL where the layer has none (a scale only when quant is 0). */
+   pointer may be NULL where the layer has none (a scale only when quant is 0). norm: 0
+   LayerNorm, 1 RMSNorm. gated: fc_in is 2f wide (gate, then up) and act(gate) * up feeds
+   fc_out (SwiGLU with act = silu). */
 typedef struct {
-    int64_t rows, c, hkv, g, d, f, cap, act, quant, interleaved;
+    int64_t rows, c, hkv, g, d, f, cap, act, quant, interleaved, norm, gated;
     float eps1, eps2, scale;
     const float *ln1_w, *ln1_b, *ln2_w, *ln2_b;
     const void *w_in, *w_out, *w_fc, *w_proj;
@@ -45,9 +47,9 @@ typedef struct {
     const float *b_in, *b_out, *b_fc, *b_proj;
     float *keys, *values;  /* the layer's cache (rows, hkv, cap, d) */
     const float *bias;     /* (rows * hkv, cap) additive key bias (-inf skips a key) or NULL */
-    float *work;           /* rows * (c + p + h*d + f) + g*cap floats */
+    float *work;           /* rows * (c + p + h*d + f*(1+gated)) + g*cap floats */
     int8_t *xq;            /* int8 only: rows * max(c, h*d, f) bytes */
-    int32_t *acc;          /* int8 only: rows * max(p, c, f) */
+    int32_t *acc;          /* int8 only: rows * max(p, c, f*(1+gated)) */
     float *amax;           /* int8 only: rows */
 } qkv_row_layer;
 
