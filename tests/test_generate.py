@@ -1,6 +1,7 @@
-"""qkv.generate: cached == uncached, fast GPT step == GPT.forward, greedy == an independent
-argmax loop, beam 1 == greedy, top-k 1 == greedy, batch row == alone, HF GPT-2 greedy and beam
-search give the same tokens, sampling filters == HF's warpers, eos/pad, bad arguments.
+"""qkv.generate: cached == uncached, the decode engine's GPT step == GPT.forward, greedy ==
+an independent argmax loop, beam 1 == greedy, top-k 1 == greedy, batch row == alone, HF GPT-2
+greedy and beam search give the same tokens, sampling filters == HF's warpers, eos/pad, bad
+arguments.
 
 Models are tiny with random weights, redrawn with a large std so that generations are varied
 (PyTorch's small default init makes random models repeat one token); fp64 where two qkv paths
@@ -15,11 +16,21 @@ import pytest
 import torch
 
 import qkv
-from qkv.generation import api, fast_gpt, filter_logits, reorder_cache
-from qkv.generation.fast_gpt import FastGPTStepper, eligible
+from qkv.generation import api, engine, filter_logits, reorder_cache
+from qkv.generation.engine import decoder_stepper
+from qkv.generation.linears import DenseLinears
+from qkv.generation.plan import Unplannable, decode_plan
 from qkv.models import GPT, GPTConfig, Transformer, TransformerConfig
 
 F64 = torch.float64
+
+
+def _plannable(model) -> bool:
+    """The model has an fp32/fp64 decode plan (``decode_plan`` describes it, not int8)."""
+    try:
+        return not decode_plan(model).int8
+    except Unplannable:
+        return False
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -96,8 +107,16 @@ def test_gpt_cached_equals_uncached(gpt, kw, monkeypatch):
     ids, mask = _prompts()
     fast = qkv.generate(gpt, ids, attention_mask=mask, max_new_tokens=10, **kw)
     slow = qkv.generate(gpt, ids, attention_mask=mask, max_new_tokens=10, use_cache=False, **kw)
-    monkeypatch.setattr(api, "eligible", lambda model: False)  # the generic cached stepper
+    ran = []
+
+    def on_modules(*args, **kwargs):  # the generic cached stepper: the "modules" backend
+        stepper = engine.decoder_stepper(*args, **{**kwargs, "backend": "modules"})
+        ran.append(stepper.backend)
+        return stepper
+
+    monkeypatch.setattr(api, "decoder_stepper", on_modules)
     generic = qkv.generate(gpt, ids, attention_mask=mask, max_new_tokens=10, **kw)
+    assert ran == ["modules"]
     assert torch.equal(fast, slow)
     assert torch.equal(generic, slow)
     assert torch.equal(fast[:, :7], ids)
@@ -119,7 +138,7 @@ def test_gpt_subclass_uses_generic_path():
     model = _gpt()
     sub = MyGPT(model.config, dtype=F64).eval()
     sub.load_state_dict(model.state_dict())
-    assert eligible(model) and not eligible(sub)
+    assert _plannable(model) and not _plannable(sub)
     ids, mask = _prompts()
     for kw in ({}, {"num_beams": 3}):
         assert torch.equal(qkv.generate(sub, ids, attention_mask=mask, max_new_tokens=8, **kw),
@@ -141,7 +160,7 @@ def test_gpt_variants_cached_equals_uncached(variant, kw):
     if not set(variant) <= _GPT_FIELDS:
         pytest.skip(f"GPTConfig has no {sorted(set(variant) - _GPT_FIELDS)}")
     model = _gpt(**variant)
-    assert not eligible(model)
+    assert not _plannable(model)
     ids, mask = _prompts()
     cached = qkv.generate(model, ids, attention_mask=mask, max_new_tokens=10, **kw)
     uncached = qkv.generate(model, ids, attention_mask=mask, max_new_tokens=10,
@@ -149,22 +168,22 @@ def test_gpt_variants_cached_equals_uncached(variant, kw):
     assert torch.equal(cached, uncached)
 
 
-# --- the fast GPT step computes GPT.forward ------------------------------------------------
+# --- the decode engine's step computes GPT.forward -----------------------------------------
 @pytest.mark.parametrize("kw", [dict(), dict(positions="rope"), dict(num_kv_heads=2),
                                 dict(activation="relu", bias=False, tie_embeddings=False),
                                 dict(activation="gelu", norm_eps=1e-6)],
                          ids=["gpt2", "rope", "gqa", "relu-nobias-untied", "gelu"])
 @pytest.mark.parametrize("padded", [False, True])
-def test_fast_step_logits_equal_forward(kw, padded):
+def test_engine_step_logits_equal_forward(kw, padded):
     model = _gpt(**kw)
-    assert eligible(model)
+    assert _plannable(model)
     ids, mask = _prompts()
     keep = mask.bool() if padded else None
     if not padded:
         ids = torch.randint(3, 48, (3, 7))
     new = torch.randint(3, 48, (3, 5))
     with torch.inference_mode():
-        stepper = FastGPTStepper(model, ids, keep, 5)
+        stepper = decoder_stepper(model, ids, keep, ids.shape[1] + 5)
         got = [stepper.prefill()] + [stepper.step(new[:, i]) for i in range(5)]
         full_ids = torch.cat((ids, new), dim=1)
         full_mask = None if keep is None else torch.cat(
@@ -173,18 +192,25 @@ def test_fast_step_logits_equal_forward(kw, padded):
     torch.testing.assert_close(torch.stack(got, dim=1), want, atol=1e-12, rtol=1e-10)
 
 
-def test_fast_step_not_used_for_dropout_in_training_or_half():
-    assert not eligible(_gpt(dropout=0.1).train())
-    assert eligible(_gpt(dropout=0.1).eval())
-    assert not eligible(_gpt(norm="rmsnorm"))
-    assert not eligible(_gpt(dtype=torch.bfloat16))
+def test_no_plan_for_dropout_in_training_or_half():
+    """Active dropout and fp16 weights have no decode plan (they decode on the modules);
+    RMSNorm has one."""
+    assert not _plannable(_gpt(dropout=0.1).train())
+    assert _plannable(_gpt(dropout=0.1).eval())
+    assert _plannable(_gpt(norm="rmsnorm"))
+    assert not _plannable(_gpt(dtype=torch.float16))
 
 
 def test_transposed_weights_are_fresh_copies_of_the_weights_now():
-    """Each call copies the weights as they are (nothing kept with the model): an edit in
-    place, even behind the version counter, is in the next copy and the next generate."""
+    """Each stepper build copies the weights as they are (nothing kept with the model): two
+    builds hold distinct, equal (in, out) copies (``DenseLinears``, the torch backend's), and
+    an edit in place, even behind the version counter, is in the next copy and the next
+    generate."""
     model = _gpt(dtype=torch.float32)
     ids, mask = _prompts()
+
+    def copies():  # (in, out) copies of every projection (4 per layer) and the LM head
+        return DenseLinears(decode_plan(model)).w
 
     def check():  # fast path == the model's own uncached forward passes
         out = qkv.generate(model, ids, attention_mask=mask, max_new_tokens=6)
@@ -193,19 +219,21 @@ def test_transposed_weights_are_fresh_copies_of_the_weights_now():
         return out
 
     first = check()
-    kept = fast_gpt.transposed_weights(model)
-    again = fast_gpt.transposed_weights(model)
+    with torch.inference_mode():
+        kept, again = (decoder_stepper(model, ids, mask.bool(), 10, backend="torch").runner.lin.w
+                       for _ in range(2))
     assert all(a is not b and a.data_ptr() != b.data_ptr() and torch.equal(a, b)
                for a, b in zip(kept, again, strict=True))
+    linears = [m for layer in model.layers for m in (layer.attn.in_proj, layer.attn.out_proj,
+                                                     layer.ffn.fc_in, layer.ffn.fc_out)]
     assert all(torch.equal(t, w.t()) for t, w in zip(
-        kept, [m.weight for m in fast_gpt.linear_layers(model)] + [model.lm_head.weight],
-        strict=True))
+        kept, [m.weight for m in linears] + [model.lm_head.weight], strict=True))
     with torch.no_grad():
         model.layers[0].ffn.fc_in.weight.mul_(-1.0)  # in place: version counter
-    assert torch.equal(fast_gpt.transposed_weights(model)[2], -kept[2])
+    assert torch.equal(copies()[2], -kept[2])
     assert not torch.equal(check(), first)
     model.lm_head.weight.data[5:9].normal_()  # through .data: no version bump
-    assert torch.equal(fast_gpt.transposed_weights(model)[-1], model.lm_head.weight.t())
+    assert torch.equal(copies()[-1], model.lm_head.weight.t())
     check()
     model.load_state_dict(_gpt(dtype=torch.float32).state_dict())
     assert torch.equal(check(), first)
@@ -260,7 +288,7 @@ def _run_beam_path(model, ids, mask):
     from qkv.generation.search import beam_search
 
     with torch.inference_mode():
-        stepper = FastGPTStepper(model, ids, mask.bool(), 8)
+        stepper = decoder_stepper(model, ids, mask.bool(), ids.shape[1] + 8)
         new = beam_search(stepper, 3, 1, 8, length_penalty=1.0, eos=None, pad=0,
                           device=ids.device)
     return torch.cat((ids, new), dim=1)

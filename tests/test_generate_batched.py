@@ -1,8 +1,9 @@
 """Batched decoding: greedy / beam search over a left-padded batch == each row alone (the
 batch-1 path), and == HF GPT-2's batched greedy ``generate`` on the same weights (fp32, batch
-16). The multi-token stepper of prompt-lookup decoding
-(``qkv.generation.multi_token_gpt.MultiTokenGPTStepper``): its logits == ``GPT.forward`` over
-the whole sequence (fp64; one and several tokens per call, after a rewind).
+16). The multi-token step of prompt-lookup decoding (the decode engine's torch backend:
+``decoder_stepper(..., backend="torch")``'s ``run`` and ``rewind``): its logits ==
+``GPT.forward`` over the whole sequence (fp64; one and several tokens per call, after a
+rewind).
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ import pytest
 import torch
 
 import qkv
-from qkv.generation.fast_gpt import eligible
-from qkv.generation.multi_token_gpt import MultiTokenGPTStepper
+from qkv.generation.engine import decoder_stepper
+from qkv.generation.plan import decode_plan
 from qkv.models import GPT, GPTConfig
 
 F64 = torch.float64
@@ -60,7 +61,7 @@ def test_logits_equal_forward(kw, padded):
     """prefill, 2 single steps, a 3-token run, a rewind over 2 of them, a 4-token run: every
     logit == the model's uncached forward over the sequence the cache then holds."""
     model = _gpt(**kw)
-    assert eligible(model)
+    assert not decode_plan(model).int8
     ids, mask = _prompts()
     keep = mask.bool() if padded else None
     if not padded:
@@ -68,7 +69,7 @@ def test_logits_equal_forward(kw, padded):
     torch.manual_seed(3)
     new = torch.randint(3, 48, (5, 9))
     with torch.inference_mode():
-        s = MultiTokenGPTStepper(model, ids, keep, 7 + 9)
+        s = decoder_stepper(model, ids, keep, 7 + 9, backend="torch")
         got = [s.prefill()[:, None], s.step(new[:, 0])[:, None], s.step(new[:, 1])[:, None],
                s.run(new[:, 2:5])]
         s.rewind(7 + 3)  # keeps new[:, :3]; new[:, 3:5] forgotten
@@ -98,7 +99,7 @@ def test_batched_equals_each_row_alone(kw, search):
     for r in range(5):
         real = int(mask[r].sum())
         alone = qkv.generate(model, ids[r:r + 1, 7 - real:], max_new_tokens=12,
-                             pad_token_id=1, **search)  # batch 1: FastGPTStepper
+                             pad_token_id=1, **search)  # batch 1 (beams: K rows)
         new = alone.shape[1] - real
         assert torch.equal(batch[r, 7:7 + new], alone[0, real:])
         assert (batch[r, 7 + new:] == 1).all()

@@ -1,9 +1,10 @@
 """Prompt-lookup decoding (``qkv.generate(..., prompt_lookup_num_tokens=k)``) returns greedy's
 tokens, token for token: against qkv's uncached greedy (the model's full forward each step),
 qkv's cached greedy, and HF GPT-2's greedy ``generate`` (batched, left-padded) and HF's own
-prompt lookup (batch 1); GPT (fast and generic steppers) and the encoder-decoder; k = 1, 3,
-10; a stop token inside an accepted draft; rows that accept different numbers of draft
-tokens; prompts with and without matches. The n-gram index against a brute-force search.
+prompt lookup (batch 1); GPT (the decode engine's plan, and its generic "modules" backend)
+and the encoder-decoder; k = 1, 3, 10; a stop token inside an accepted draft; rows that accept
+different numbers of draft tokens; prompts with and without matches. The n-gram index against
+a brute-force search.
 
 Models are tiny with random weights redrawn with a large std, fp64 where two qkv paths are
 compared. Random models rarely repeat themselves, and a batch advances only as far as its
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.generation import api, prompt_lookup
+from qkv.generation import api, engine, prompt_lookup
 from qkv.generation.prompt_lookup import NgramIndex
 from qkv.models import GPT, GPTConfig, Transformer, TransformerConfig
 
@@ -136,8 +137,11 @@ def test_gpt_equals_greedy(gpt, random_gpt, kind, k, eos, path, stats, monkeypat
                         pad_token_id=1, use_cache=False)
     plain = qkv.generate(gpt, ids, attention_mask=mask, max_new_tokens=30, eos_token_id=eos,
                          pad_token_id=1)
-    if path == "generic":
-        monkeypatch.setattr(api, "eligible", lambda model: False)
+    if path == "generic":  # the model's own modules and caches
+        def on_modules(*args, **kwargs):
+            return engine.decoder_stepper(*args, **{**kwargs, "backend": "modules"})
+
+        monkeypatch.setattr(api, "decoder_stepper", on_modules)
     got = qkv.generate(gpt, ids, attention_mask=mask, max_new_tokens=30, eos_token_id=eos,
                        pad_token_id=1, prompt_lookup_num_tokens=k)
     assert torch.equal(plain, want)

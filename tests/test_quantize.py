@@ -1,6 +1,6 @@
 """``qkv.quantize(model, "int8")``: the int8 math against fp64 oracles written here, the
 per-layer error bound, every linear layer converted (embeddings untouched), save/load round
-trips, the lean int8 decode step against the quantized model's own uncached forward, the
+trips, the decode engine's int8 backends against the quantized model's own uncached forward, the
 ``--int8`` CLI flag's model, and the errors."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 import qkv
-from qkv.generation.fast_int8 import Int8GPTStepper, eligible
+from qkv.generation.engine import decoder_stepper
+from qkv.generation.plan import Unplannable, decode_plan
 from qkv.generation.quantize import (
     QUANT_NAME,
     QuantizedLinear,
@@ -254,6 +255,9 @@ def test_load_refuses_plain_or_tampered_directories(tmp_path):
 
 
 # --- the int8 decode step == the quantized model's uncached forward -------------------------
+INT8_BACKENDS = ("c-layer-int8", "int8-kernel", "int8-torch")  # the engine's int8 backends
+
+
 def _uncached_greedy(model, ids, keep, steps):
     """Greedy tokens from the quantized model's full forward, recomputed every step."""
     out = []
@@ -269,8 +273,10 @@ def _uncached_greedy(model, ids, keep, steps):
 
 
 def _stepper_greedy(model, ids, keep, steps):
+    """Greedy tokens (R, steps) of the engine's stepper (the backend it picks)."""
     with torch.inference_mode():
-        st = Int8GPTStepper(model, ids, keep, steps)
+        st = decoder_stepper(model, ids, keep, ids.shape[1] + steps)
+        assert st.backend in INT8_BACKENDS
         logits, out = st.prefill(), []
         for i in range(steps):
             tok = logits.argmax(-1)
@@ -293,7 +299,7 @@ def test_int8_step_equals_uncached_forward(overrides):
             else:  # biases and norms away from their 0 / 1 init: every part is exercised
                 p.add_(torch.randn_like(p), alpha=0.1)
     quantize(model)
-    assert eligible(model)
+    assert decode_plan(model).int8
     torch.manual_seed(7)
     ids = torch.randint(0, 256, (3, 6))
     keep = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1], [0] * 5 + [1]], dtype=torch.bool)
@@ -313,7 +319,8 @@ def test_int8_step_logits_match_module_path():
     model = quantize(_gpt())
     ids = torch.randint(0, 256, (2, 5))
     with torch.inference_mode():
-        st = Int8GPTStepper(model, ids, None, 3)
+        st = decoder_stepper(model, ids, None, ids.shape[1] + 3)
+        assert st.backend in INT8_BACKENDS
         st.prefill()
         got = st.step(torch.tensor([3, 4]))
         ref = model(torch.cat([ids, torch.tensor([[3], [4]])], dim=1))[:, -1]
@@ -342,23 +349,24 @@ def _spread(model: GPT) -> GPT:
 
 
 @pytest.fixture
-def int8_spy(monkeypatch):
-    """Counts the Int8GPTStepper objects qkv.generate builds."""
+def backend_spy(monkeypatch):
+    """The backend names of the engine steppers qkv.generate builds, in order."""
     from qkv.generation import api
 
     made = []
+    real = api.decoder_stepper
 
-    class Spy(Int8GPTStepper):
-        def __init__(self, *args, **kwargs):
-            made.append(self)
-            super().__init__(*args, **kwargs)
+    def spy(*args, **kwargs):
+        stepper = real(*args, **kwargs)
+        made.append(stepper.backend)
+        return stepper
 
-    monkeypatch.setattr(api, "Int8GPTStepper", Spy)
+    monkeypatch.setattr(api, "decoder_stepper", spy)
     return made
 
 
-def test_generate_dispatches_int8_gpt_to_the_int8_step(int8_spy):
-    """qkv.generate on a quantized GPT decodes through Int8GPTStepper, and its tokens are the
+def test_generate_dispatches_int8_gpt_to_the_int8_step(backend_spy):
+    """qkv.generate on a quantized GPT decodes on an int8 backend, and its tokens are the
     quantized model's uncached greedy forward (left-padded batch included); beams give what
     the generic stepper (use_cache=False, module calls) gives."""
     model = quantize(_spread(_gpt(positions="rope", num_kv_heads=2)))
@@ -368,28 +376,31 @@ def test_generate_dispatches_int8_gpt_to_the_int8_step(int8_spy):
     ids = ids.masked_fill(~keep, 0)
     for k in (None, keep):
         out = qkv.generate(model, ids, attention_mask=k, max_new_tokens=12)
-        assert len(int8_spy) == 1
-        int8_spy.clear()
+        assert len(backend_spy) == 1 and backend_spy[0] in INT8_BACKENDS
+        backend_spy.clear()
         want = _uncached_greedy(model, ids, k, 12)
         assert torch.equal(out[:, 6:], want)
         assert len(set(want.flatten().tolist())) > 3
     beams = qkv.generate(model, ids, attention_mask=keep, max_new_tokens=6, num_beams=3)
-    assert len(int8_spy) == 1
-    int8_spy.clear()
+    assert len(backend_spy) == 1 and backend_spy[0] in INT8_BACKENDS
+    backend_spy.clear()
     slow = qkv.generate(model, ids, attention_mask=keep, max_new_tokens=6, num_beams=3,
                         use_cache=False)
     assert torch.equal(beams, slow)
-    assert not int8_spy  # no cache: the generic stepper
+    assert not backend_spy  # no cache: the generic stepper, not the engine
 
 
-def test_generate_int8_not_dispatched_with_prompt_lookup_or_fp32(int8_spy):
+def test_generate_int8_with_prompt_lookup_and_fp32_dispatch(backend_spy):
+    """Prompt lookup on a quantized GPT verifies its drafts on an int8 backend (``run`` /
+    ``rewind``), with the uncached forward's tokens; an fp32 GPT decodes on no int8 one."""
     model = quantize(_spread(_gpt()))
     ids = torch.randint(0, 256, (1, 8))
     out = qkv.generate(model, ids, max_new_tokens=6, prompt_lookup_num_tokens=3)
-    assert not int8_spy
+    assert len(backend_spy) == 1 and backend_spy[0] in INT8_BACKENDS
+    backend_spy.clear()
     assert torch.equal(out[:, 8:], _uncached_greedy(model, ids, None, 6))
     qkv.generate(_gpt(), ids, max_new_tokens=2)
-    assert not int8_spy
+    assert len(backend_spy) == 1 and backend_spy[0] not in INT8_BACKENDS
 
 
 # --- from_pretrained / save_pretrained of quantized directories ------------------------------
@@ -457,11 +468,16 @@ def test_from_pretrained_refuses_bad_quantized_directories(tmp_path):
         GPT.from_pretrained(tmp_path / "fp")
 
 
-def test_eligible_refuses_fp32_and_other_models():
-    assert not eligible(_gpt())
-    assert not eligible(quantize(_gpt(attention_window=4)))
-    with pytest.raises(TypeError, match="eligible"):
-        Int8GPTStepper(_gpt(), torch.zeros(1, 2, dtype=torch.long), None, 2)
+def test_int8_plan_refuses_fp32_and_other_models():
+    """An fp32 GPT's plan is not int8; a quantized GPT with a config variant no plan knows
+    has none (it decodes on the modules); forcing an int8 backend on fp32 weights is refused
+    with the reason."""
+    assert not decode_plan(_gpt()).int8
+    with pytest.raises(Unplannable, match="attention_window"):
+        decode_plan(quantize(_gpt(attention_window=4)))
+    with pytest.raises(ValueError, match="not int8"):
+        decoder_stepper(_gpt(), torch.zeros(1, 2, dtype=torch.long), None, 4,
+                        backend="int8-torch")
 
 
 # --- errors ----------------------------------------------------------------------------------
@@ -501,12 +517,13 @@ def test_int8_step_reorder_follows_rows():
     torch.manual_seed(8)
     ids = torch.randint(0, 256, (2, 5))
     with torch.inference_mode():
-        a = Int8GPTStepper(model, ids, None, 4)
+        a = decoder_stepper(model, ids, None, ids.shape[1] + 4)
         a.prefill()
         a.step(torch.tensor([7, 9]))
         a.reorder(torch.tensor([1, 1]))
         got = a.step(torch.tensor([3, 3]))
-        b = Int8GPTStepper(model, ids[1:], None, 4)  # the row alone: the same path
+        b = decoder_stepper(model, ids[1:], None, ids.shape[1] + 4)  # the row alone
+        assert a.backend == b.backend and a.backend in INT8_BACKENDS  # the same path
         b.prefill()
         b.step(torch.tensor([9]))
         want = b.step(torch.tensor([3]))

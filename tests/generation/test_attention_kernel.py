@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qkv.generation import attention_kernel
+from qkv.generation import attention_kernel, c_kernels, kernel_registry
 
 KERNEL = attention_kernel.load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C compiler / kernel here")
@@ -85,7 +85,13 @@ def test_disabled_by_environment(monkeypatch):
 
 
 def test_build_failure_falls_back(monkeypatch, tmp_path):
+    """``kernels/attention.c`` that does not compile: load() None, said once, no library."""
     monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(attention_kernel, "_state", {})
-    monkeypatch.setattr(attention_kernel, "SOURCE", "this is not C")
-    assert attention_kernel.load() is None
+    monkeypatch.setattr(kernel_registry, "_loaded", {})
+    monkeypatch.setattr(c_kernels, "_memo", {})
+    read = kernel_registry._read
+    monkeypatch.setattr(kernel_registry, "_read",
+                        lambda f: "this is not C" if f == "attention.c" else read(f))
+    with pytest.warns(RuntimeWarning, match="'decode-attention' did not compile"):
+        assert attention_kernel.load() is None
+    assert not list(tmp_path.glob("*.so"))

@@ -1,10 +1,11 @@
 """The optional fused C int8 layer (``qkv.generation.int8_kernel``): bit-equal to the torch
 ops of ``qkv.modules.quantized.int8_linear`` (K with a tail past the 64-byte blocks, several
 rows, with and without a bias, a residual, zero and NaN rows, activations on exact .5 ties),
-both for the build for this CPU and for the portable build (the plain C loops); the int8
-decode step with it (every layer one C call, ``row_step_kernel``): each row as alone, bit for
-bit, its tokens == the torch-ops step's == the quantized model's uncached greedy forward; and
-the fallbacks."""
+both for the build for this CPU and for the portable build (the plain C loops); the decode
+engine's int8 backends with it ("c-layer-int8": every layer one C call, ``row_step_kernel``;
+"int8-kernel": one call per projection where the C layer refuses): each row as alone, bit
+for bit, its tokens == the "int8-torch" backend's (torch ops) == the quantized model's
+uncached greedy forward; and the fallbacks."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import pytest
 import torch
 
 import qkv
-from qkv.generation import int8_kernel
-from qkv.generation.fast_int8 import Int8GPTStepper
+from qkv.generation import c_kernels, int8_kernel, kernel_registry
+from qkv.generation.engine import decoder_stepper
+from qkv.generation.linears import Int8Linears
+from qkv.generation.torch_layer import TorchLayers
 from qkv.models import GPT, GPTConfig
 from qkv.modules.quantized import int8_linear, quantize_weight, scale127
 
@@ -134,9 +137,11 @@ def _model(**overrides) -> GPT:
     return qkv.quantize(model)
 
 
-def _decode(model, ids, keep, steps, kernel):
+def _decode(model, ids, keep, steps, backend):
+    """Greedy tokens (R, steps) and the logits (steps - 1, R, V) of the steps after the
+    prefill, on the engine's ``backend`` (forced)."""
     with torch.inference_mode():
-        st = Int8GPTStepper(model, ids, keep, steps, kernel=kernel)
+        st = decoder_stepper(model, ids, keep, ids.shape[1] + steps, backend=backend)
         logits, out, all_logits = st.prefill(), [], []
         for i in range(steps):
             out.append(logits.argmax(-1))
@@ -166,11 +171,11 @@ def _mostly_equal(fast_logits: torch.Tensor, plain_logits: torch.Tensor) -> None
 
 
 def _kernel_step_agrees(model, ids, keep) -> torch.Tensor:
-    """20 greedy steps with the kernels: tokens == the torch-ops step's == the uncached
-    forward's (and varied), logits ``_mostly_equal`` to the torch-ops step's; returns the
-    kernel step's logits (T - 1, R, V)."""
-    fast, fast_logits = _decode(model, ids, keep, 20, kernel=True)
-    plain, plain_logits = _decode(model, ids, keep, 20, kernel=False)
+    """20 greedy steps on the C layer ("c-layer-int8"): tokens == the torch-ops backend's
+    ("int8-torch") == the uncached forward's (and varied), logits ``_mostly_equal`` to the
+    torch-ops backend's; returns the C layer's logits (T - 1, R, V)."""
+    fast, fast_logits = _decode(model, ids, keep, 20, "c-layer-int8")
+    plain, plain_logits = _decode(model, ids, keep, 20, "int8-torch")
     _mostly_equal(fast_logits, plain_logits)
     assert torch.equal(fast, plain)
     assert torch.equal(fast, _uncached(model, ids, keep, 20))
@@ -195,28 +200,28 @@ def test_step_with_kernel_equals_rows_alone_plain_step_and_uncached_forward(over
         fast_logits = _kernel_step_agrees(model, ids, k)
         for r in range(3):
             _, alone = _decode(model, ids[r:r + 1], None if k is None else k[r:r + 1], 20,
-                               kernel=True)
+                               "c-layer-int8")
             assert torch.equal(fast_logits[:, r], alone[:, 0])
 
 
 @needs_kernel
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 def test_kernel_step_reorder_follows_rows(padded):
-    """After reorder([1, 1]) both rows continue as row 1 alone (its cache, and its padding:
-    row 0 is unpadded, row 1 has two pads)."""
+    """On the C layer ("c-layer-int8"): after reorder([1, 1]) both rows continue as row 1
+    alone (its cache, and its padding: row 0 is unpadded, row 1 has two pads)."""
     model = _model()
     ids = torch.randint(0, 256, (2, 5))
     keep = torch.tensor([[1] * 5, [0, 0, 1, 1, 1]], dtype=torch.bool) if padded else None
     if padded:
         ids = ids.masked_fill(~keep, 0)
     with torch.inference_mode():
-        a = Int8GPTStepper(model, ids, keep, 4, kernel=True)
+        a = decoder_stepper(model, ids, keep, ids.shape[1] + 4, backend="c-layer-int8")
         a.prefill()
         a.step(torch.tensor([7, 9]))
         a.reorder(torch.tensor([1, 1]))
         got = a.step(torch.tensor([3, 3]))
-        b = Int8GPTStepper(model, ids[1:], None if keep is None else keep[1:], 4,
-                           kernel=True)  # the row alone
+        b = decoder_stepper(model, ids[1:], None if keep is None else keep[1:],
+                            ids.shape[1] + 4, backend="c-layer-int8")  # the row alone
         b.prefill()
         b.step(torch.tensor([9]))
         want = b.step(torch.tensor([3]))
@@ -224,23 +229,30 @@ def test_kernel_step_reorder_follows_rows(padded):
 
 
 def test_turned_off_falls_back_or_refuses(monkeypatch):
+    """``QKV_INT8_KERNEL=0``: the engine decodes on the torch ops ("int8-torch"); forcing a
+    backend that needs the kernel is a ValueError with its reason."""
     model = _model()
     ids = torch.randint(0, 256, (1, 3))
     monkeypatch.setenv("QKV_INT8_KERNEL", "0")
     assert int8_kernel.disabled() and int8_kernel.load() is None
     with torch.inference_mode():
-        assert Int8GPTStepper(model, ids, None, 2).kernel is None  # default: the torch ops
-        with pytest.raises(RuntimeError, match="kernel=True"):
-            Int8GPTStepper(model, ids, None, 2, kernel=True)
+        assert decoder_stepper(model, ids, None, 5).backend == "int8-torch"  # the torch ops
+        for backend in ("c-layer-int8", "int8-kernel"):
+            with pytest.raises(ValueError, match="int8 kernel is off"):
+                decoder_stepper(model, ids, None, 5, backend=backend)
     monkeypatch.delenv("QKV_INT8_KERNEL")
 
 
 def test_build_failure_falls_back(monkeypatch, tmp_path):
     """A compiler that fails leaves load() None (the plain path), not an exception."""
-    monkeypatch.setattr(int8_kernel, "_state", {})
+    monkeypatch.setattr(kernel_registry, "_loaded", {})
+    monkeypatch.setattr(c_kernels, "_memo", {})
     monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(int8_kernel, "SOURCE", "this is not C")
-    assert int8_kernel.load() is None
+    read = kernel_registry._read
+    monkeypatch.setattr(kernel_registry, "_read",
+                        lambda f: "this is not C" if f == "int8.c" else read(f))
+    with pytest.warns(RuntimeWarning, match="'int8-linear' did not compile"):
+        assert int8_kernel.load() is None
     assert not list(tmp_path.glob("*.so"))
 
 
@@ -249,10 +261,12 @@ def test_build_failure_falls_back(monkeypatch, tmp_path):
                                        {"activation": "gelu", "positions": "rope"}],
                          ids=["quick_gelu-mqa", "gelu-rope"])
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
-def test_one_row_through_the_c_layer(overrides, padded):
-    """One row, the activations the three-row test leaves out: the kernel step's tokens
-    equal the torch-ops step's and the uncached forward's, its logits the torch-ops step's
-    (``_mostly_equal``); ``kernel=False`` runs no C layer."""
+def test_one_row_through_the_c_layer(overrides, padded, one_torch_thread):
+    """One row, the activations the three-row test leaves out: the engine picks the C layer
+    ("c-layer-int8"; one torch thread: at more the engine times it against "int8-torch"),
+    whose tokens equal the torch-ops backend's and the uncached forward's, its logits the
+    torch-ops backend's (``_mostly_equal``); "int8-torch" runs no C layer (torch's layer over
+    ``int8_linear``)."""
     model = _model(**overrides)
     torch.manual_seed(2)
     ids = torch.randint(0, 256, (1, 6))
@@ -261,8 +275,9 @@ def test_one_row_through_the_c_layer(overrides, padded):
         keep = torch.tensor([[0, 0, 1, 1, 1, 1]], dtype=torch.bool)
         ids = ids.masked_fill(~keep, 0)
     with torch.inference_mode():
-        assert Int8GPTStepper(model, ids, keep, 2).row_layers is not None
-        assert Int8GPTStepper(model, ids, keep, 2, kernel=False).row_layers is None
+        assert decoder_stepper(model, ids, keep, ids.shape[1] + 2).backend == "c-layer-int8"
+        plain = decoder_stepper(model, ids, keep, ids.shape[1] + 2, backend="int8-torch")
+        assert type(plain.runner) is TorchLayers and type(plain.runner.lin) is Int8Linears
     _kernel_step_agrees(model, ids, keep)
 
 
@@ -273,11 +288,11 @@ def test_int8_step_under_a_float64_default_dtype():
     model = _model(positions="rope")
     keep = torch.tensor([[0, 0, 1, 1, 1], [1] * 5], dtype=torch.bool)
     ids = torch.randint(0, 256, (2, 5)).masked_fill(~keep, 0)
-    _, want = _decode(model, ids, keep, 6, kernel=True)
+    _, want = _decode(model, ids, keep, 6, "c-layer-int8")
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        _, got = _decode(model, ids, keep, 6, kernel=True)
+        _, got = _decode(model, ids, keep, 6, "c-layer-int8")
     finally:
         torch.set_default_dtype(default)
     assert got.dtype == torch.float32
@@ -285,12 +300,13 @@ def test_int8_step_under_a_float64_default_dtype():
 
 
 @needs_kernel
-def test_int8_wide_groups_decode_without_the_c_layer():
+def test_int8_wide_groups_decode_without_the_c_layer(one_torch_thread):
     """More query heads per key/value head than the C attention takes (66 > MAX_GROUP):
-    the step keeps torch's attention and still equals the uncached forward."""
+    the engine (one torch thread) skips the C layer for "int8-kernel" (torch's attention, the
+    int8 products in C) and still equals the uncached forward."""
     model = _model(dim=132, num_heads=66, num_kv_heads=1)
     ids = torch.randint(0, 256, (1, 4))
     with torch.inference_mode():
-        assert Int8GPTStepper(model, ids, None, 2).row_layers is None
-    fast, _ = _decode(model, ids, None, 8, kernel=True)
+        assert decoder_stepper(model, ids, None, ids.shape[1] + 2).backend == "int8-kernel"
+    fast, _ = _decode(model, ids, None, 8, "int8-kernel")
     assert torch.equal(fast, _uncached(model, ids, None, 8))

@@ -1,8 +1,9 @@
 """The one-row fp32 decode step's C kernels against oracles written apart from them:
-``gemv_kernel`` (y = res + b + x @ W) against the fp64 product, and the step through
-``row_step_kernel`` (a whole layer per call) against the fp64 copy of the model's own
-uncached forward (logits) and ``use_cache=False`` (greedy tokens), for each activation, RoPE
-(both pair layouts), GQA/MQA, no bias, and a left-padded one-row prompt.
+``gemv_kernel`` (y = res + b + x @ W) against the fp64 product, and the decode engine's
+"c-layer-fp32" backend (``row_step_kernel``: a whole layer per call) against the fp64 copy
+of the model's own uncached forward (logits) and ``use_cache=False`` (greedy tokens), for
+each activation, RoPE (both pair layouts), GQA/MQA, no bias, and a left-padded one-row
+prompt.
 
 Shapes: K input features, N output features, T new tokens, V vocab size.
 """
@@ -17,9 +18,9 @@ from _fast_gpt_models import left_padded, tiny_gpt
 
 import qkv
 from qkv.generation import attention_kernel, gemv_kernel, row_step_kernel
-from qkv.generation.fast_gpt import FastGPTStepper
+from qkv.generation.engine import decoder_stepper
 
-# The one-row step (torch's fp32 prefill, then the C layer kernel) vs the fp64 forward: the
+# The one-row C layer (torch's fp32 prefill, then the C layer kernel) vs the fp64 forward: the
 # logits are O(1-7) here and the largest |difference| measured over every case below is
 # 5.3e-6 (~10 fp32 ulps at 5); the bound is ~3x that. (2e-4, the other fast-step tests'
 # bound, let a GELU constant cut to 4 digits through: its 1.2e-5 to 3.6e-5 errors fit.)
@@ -92,8 +93,8 @@ def test_row_step_logits_equal_fp64_forward(kw, padded):
         torch.manual_seed(3)
         new = torch.randint(3, 48, (1, 8))
         with torch.inference_mode():
-            stepper = FastGPTStepper(model, ids, keep, new.shape[1])
-            assert stepper.row_layers is not None
+            stepper = decoder_stepper(model, ids, keep, ids.shape[1] + new.shape[1])
+            assert stepper.backend == "c-layer-fp32"
             got = [stepper.prefill()] + [stepper.step(new[:, i]) for i in range(8)]
             full = torch.cat((ids, new), dim=1)
             mask = None if keep is None else torch.cat(
@@ -105,39 +106,43 @@ def test_row_step_logits_equal_fp64_forward(kw, padded):
 @pytest.mark.parametrize("kw", [dict(), dict(positions="rope", num_kv_heads=2)],
                          ids=["gpt2", "rope-gqa"])
 def test_row_greedy_tokens_equal_uncached_and_torch_path(kw, monkeypatch):
-    """Greedy tokens of one row through the C kernels == ``use_cache=False`` == the step on
-    torch's ops (``QKV_ROW_KERNEL=0``)."""
+    """Greedy tokens of one row through the C kernels == ``use_cache=False`` == the torch
+    backend (``QKV_ROW_KERNEL=0``)."""
     _kernels_or_skip()
     model = tiny_gpt(**kw)
     torch.manual_seed(5)
     ids = torch.randint(3, 48, (1, 5))
     with torch.inference_mode():
-        assert FastGPTStepper(model, ids, None, 3).row_layers is not None
+        assert decoder_stepper(model, ids, None, ids.shape[1] + 3).backend == "c-layer-fp32"
     got = qkv.generate(model, ids, max_new_tokens=20)
     assert torch.equal(got, qkv.generate(model, ids, max_new_tokens=20, use_cache=False))
     monkeypatch.setenv("QKV_ROW_KERNEL", "0")
     with torch.inference_mode():
-        assert FastGPTStepper(model, ids, None, 3).row_layers is None
+        assert decoder_stepper(model, ids, None, ids.shape[1] + 3).backend == "torch"
     assert torch.equal(got, qkv.generate(model, ids, max_new_tokens=20))
 
 
 def test_row_path_only_for_one_fp32_row_on_one_thread():
-    """Two rows, fp64, or two torch threads keep the torch ops."""
+    """Two rows or fp64 keep the torch ops (the "torch" backend). (At more torch threads
+    the engine times the C layer against the torch backend: ``tests/generation/
+    test_explain.py``.)"""
     _kernels_or_skip()
     model = tiny_gpt()
     ids = torch.randint(3, 48, (2, 5))
     wide = copy.deepcopy(model).double()
+
+    def backend(m, prompt):
+        return decoder_stepper(m, prompt, None, prompt.shape[1] + 3).backend
+
     with torch.inference_mode():
-        assert FastGPTStepper(model, ids[:1], None, 3).row_layers is not None
-        assert FastGPTStepper(model, ids, None, 3).row_layers is None
-        assert FastGPTStepper(wide, ids[:1], None, 3).row_layers is None
-        torch.set_num_threads(2)
-        assert FastGPTStepper(model, ids[:1], None, 3).row_layers is None
+        assert backend(model, ids[:1]) == "c-layer-fp32"
+        assert backend(model, ids) == "torch"
+        assert backend(wide, ids[:1]) == "torch"
 
 
 def test_model_built_under_inference_mode_generates():
     """A model made under ``inference_mode`` (inference tensors: no version counter) decodes
-    on the lean step, and an in-place edit of its weights there is still seen."""
+    on the decode engine's plan, and an in-place edit of its weights there is still seen."""
     with torch.inference_mode():
         model = tiny_gpt(tie_embeddings=False)
         ids = torch.randint(3, 48, (1, 5))
@@ -162,8 +167,8 @@ def test_nan_passes_through_relu_as_in_torch():
         model.layers[-1].ffn.fc_in.bias[0] = float("nan")
     ids = torch.randint(3, 48, (1, 4))
     with torch.inference_mode():
-        stepper = FastGPTStepper(model, ids, None, 2)
-        assert stepper.row_layers is not None
+        stepper = decoder_stepper(model, ids, None, ids.shape[1] + 2)
+        assert stepper.backend == "c-layer-fp32"
         stepper.prefill()
         got = stepper.step(torch.tensor([5]))
         want = model(torch.cat((ids, torch.tensor([[5]])), dim=1))[:, -1]
@@ -171,14 +176,15 @@ def test_nan_passes_through_relu_as_in_torch():
 
 
 def test_row_step_past_the_cache_raises():
-    """The C kernel writes the cache slot itself: a step past the capacity is refused."""
+    """The C kernel writes the cache slot itself: a step past the capacity is refused (an
+    IndexError before the kernel runs)."""
     _kernels_or_skip()
     model = tiny_gpt()
     with torch.inference_mode():
-        stepper = FastGPTStepper(model, torch.randint(3, 48, (1, 4)), None, 2)
-        assert stepper.row_layers is not None
+        stepper = decoder_stepper(model, torch.randint(3, 48, (1, 4)), None, 4 + 2)
+        assert stepper.backend == "c-layer-fp32"
         stepper.prefill()
         stepper.step(torch.tensor([5]))
         stepper.step(torch.tensor([6]))
-        with pytest.raises(IndexError, match="one too many"):
+        with pytest.raises(IndexError, match="the caches hold 6 positions"):
             stepper.step(torch.tensor([7]))

@@ -3,10 +3,11 @@ once (so that any copies of the weights it makes exist), part of a weight is edi
 behind autograd's back — through ``.data`` and through a numpy view, which bump no version
 counter and leave the first and last rows alone — and ``generate`` again must give exactly
 the tokens of ``generate(copy.deepcopy(model))`` (a model no copy of which was ever made).
-Covered: the fp32 one-row step (the C row kernel, and torch's ops under
-``QKV_ROW_KERNEL=0``), a few rows on (in, out) copies, the oneDNN-packed batch step (>= 4
-rows), the prompt-lookup step, a model built under ``inference_mode`` (no version counter),
-and the int8 step (its own buffers edited in place; re-quantizing an edited float model).
+Covered, on the decode engine's backends: the fp32 one-row step (the "c-layer-fp32" C
+layer, and the "torch" backend under ``QKV_ROW_KERNEL=0``), a few rows on (in, out) copies,
+the "onednn-packed" batch step (>= 4 rows), the prompt-lookup step (the torch backend's
+multi-token ``run``), a model built under ``inference_mode`` (no version counter), and the
+int8 backends (their buffers edited in place; re-quantizing an edited float model).
 Each edit is checked to change the tokens, so that an equality is never vacuous.
 
 Shapes: R rows, N prompt length, T new tokens.
@@ -23,8 +24,8 @@ import torch
 from _fast_gpt_models import left_padded, tiny_gpt
 
 import qkv
-from qkv.generation import api, attention_kernel, fast_gpt, gemv_kernel, row_step_kernel
-from qkv.generation.fast_int8 import Int8GPTStepper
+from qkv.generation import api, attention_kernel, gemv_kernel, row_step_kernel
+from qkv.generation.linears import packing_works
 
 T = 8  # new tokens per generate call
 
@@ -52,15 +53,16 @@ def _edit(w: torch.Tensor, how: str) -> None:
 
 
 def _spy(monkeypatch) -> list:
-    """Record every FastGPTStepper that generate builds (to check which path ran)."""
+    """Record every engine stepper that generate builds (to check which backend ran)."""
     made = []
+    real = api.decoder_stepper
 
-    class Spy(fast_gpt.FastGPTStepper):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            made.append(self)
+    def spy(*a, **kw):
+        stepper = real(*a, **kw)
+        made.append(stepper)
+        return stepper
 
-    monkeypatch.setattr(api, "FastGPTStepper", Spy)
+    monkeypatch.setattr(api, "decoder_stepper", spy)
     return made
 
 
@@ -93,45 +95,50 @@ def test_one_row_sees_an_in_place_edit(path, where, how, monkeypatch, one_torch_
     model = tiny_gpt()
     ids = torch.randint(3, 48, (1, 5))
     _check_fresh(model, lambda: _edit(_weight(model, where), how), input_ids=ids)
-    assert made and all(s.rows == 1 and not s.packed for s in made)
-    assert all((s.row_layers is not None) == (path == "c-row-kernel") for s in made)
+    want = "c-layer-fp32" if path == "c-row-kernel" else "torch"
+    assert made and all(s.rows == 1 and s.backend == want for s in made)
 
 
 @pytest.mark.parametrize("how", HOW)
 @pytest.mark.parametrize("where", WHERE)
 def test_a_few_rows_see_an_in_place_edit(where, how, monkeypatch, one_torch_thread):
-    """3 rows (below the packed path's MIN_ROWS): (in, out) copies, padded prompts, beams."""
+    """3 prompts × 2 beams (layers too small for the packed backend): the torch backend's
+    (in, out) copies, padded prompts, beams."""
     made = _spy(monkeypatch)
     model = tiny_gpt()
     ids, keep = left_padded(rows=3, n=6)
     _check_fresh(model, lambda: _edit(_weight(model, where), how), input_ids=ids,
                  attention_mask=keep, num_beams=2)
-    assert made and not any(s.packed for s in made)
+    assert made and all(s.backend == "torch" for s in made)
 
 
-@pytest.mark.skipif(not fast_gpt.packing_works(),
+@pytest.mark.skipif(not packing_works(),
                     reason="this torch build cannot pack weights for oneDNN")
 @pytest.mark.parametrize("how", HOW)
 @pytest.mark.parametrize("where", WHERE)
 def test_packed_batch_sees_an_in_place_edit(where, how, monkeypatch, one_torch_thread):
-    """>= 4 rows: the step multiplies by oneDNN-packed copies (forced for the tiny model)."""
-    monkeypatch.setattr(fast_gpt, "PACKED_MIN_WEIGHTS", 1)
+    """>= 4 rows: the step multiplies by oneDNN-packed copies (let in for the tiny model)."""
+    monkeypatch.setattr("qkv.generation.backends.PACKED_MIN_WEIGHTS", 1)
     monkeypatch.setattr("qkv.ops.fast_linear.MIN_ROWS", 4)
     made = _spy(monkeypatch)
     model = tiny_gpt()
     ids, keep = left_padded(rows=6, n=7)
     _check_fresh(model, lambda: _edit(_weight(model, where), how), input_ids=ids,
                  attention_mask=keep)
-    assert made and all(s.packed for s in made)
+    assert made and all(s.backend == "onednn-packed" for s in made)
 
 
 @pytest.mark.parametrize("where", WHERE)
-def test_prompt_lookup_sees_an_in_place_edit(where, one_torch_thread):
-    """The multi-token (prompt-lookup) step multiplies by (in, out) copies too."""
+def test_prompt_lookup_sees_an_in_place_edit(where, monkeypatch, one_torch_thread):
+    """The multi-token (prompt-lookup) step multiplies by (in, out) copies too: the torch
+    backend's ``run`` (``QKV_ROW_KERNEL=0``: at one row the C layer feeds one token a call)."""
+    monkeypatch.setenv("QKV_ROW_KERNEL", "0")
+    made = _spy(monkeypatch)
     model = tiny_gpt()
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 9, 5, 6]])
     _check_fresh(model, lambda: _edit(_weight(model, where), "data"), input_ids=ids,
                  prompt_lookup_num_tokens=3)
+    assert made and all(s.backend == "torch" for s in made)
 
 
 @pytest.mark.parametrize("where", WHERE)
@@ -153,21 +160,34 @@ def test_a_model_built_under_inference_mode_sees_an_edit(where, one_torch_thread
     _check_fresh(model, swap, input_ids=ids)
 
 
-def test_copies_live_only_as_long_as_the_call(monkeypatch, one_torch_thread):
+@pytest.mark.parametrize("path", ["c-layer", "torch-ops"])
+def test_copies_live_only_as_long_as_the_call(path, monkeypatch, one_torch_thread):
     """Whatever weight copies generate makes are gone when it returns: nothing is kept
-    with the model that a later edit could leave stale."""
-    made = []
-    real = fast_gpt.transposed_weights
+    with the model that a later edit could leave stale. One row: the C layer's runner (which
+    holds its (in, out) copies), or under ``QKV_ROW_KERNEL=0`` the torch backend's (in, out)
+    copies themselves (``runner.lin.w``)."""
+    if path == "torch-ops":
+        monkeypatch.setenv("QKV_ROW_KERNEL", "0")
+    elif (row_step_kernel.load() is None or gemv_kernel.load() is None
+          or attention_kernel.load() is None):
+        pytest.skip("the C row kernel cannot be built here")
+    made, backends = [], []
+    real = api.decoder_stepper
 
-    def spy(model):
-        out = real(model)
-        made.extend(weakref.ref(t) for t in out)
-        return out
+    def spy(*a, **kw):
+        stepper = real(*a, **kw)
+        backends.append(stepper.backend)
+        made.extend(weakref.ref(x) for x in (stepper, stepper.runner))
+        lin = getattr(stepper.runner, "lin", None)
+        made.extend(weakref.ref(t) for t in getattr(lin, "w", ()))
+        return stepper
 
-    monkeypatch.setattr(fast_gpt, "transposed_weights", spy)
+    monkeypatch.setattr(api, "decoder_stepper", spy)
     model = tiny_gpt()
     qkv.generate(model, torch.randint(3, 48, (1, 5)), max_new_tokens=T)
     gc.collect()
+    assert backends == ["c-layer-fp32" if path == "c-layer" else "torch"]
+    assert len(made) > 2 or path == "c-layer"  # the torch backend's copies were recorded
     assert made and all(r() is None for r in made)
 
 
@@ -195,19 +215,12 @@ def test_int8_step_sees_an_in_place_edit_of_its_buffers(where, how, kernel, monk
                                                         one_torch_thread):
     if kernel == "torch-ops":
         monkeypatch.setenv("QKV_INT8_KERNEL", "0")
-    made = []
-
-    class Spy(Int8GPTStepper):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            made.append(self)
-
-    monkeypatch.setattr(api, "Int8GPTStepper", Spy)
+    made = _spy(monkeypatch)
     quantized = qkv.quantize(tiny_gpt(), "int8")
     ids = torch.randint(3, 48, (2, 5))
     _check_fresh(quantized, lambda: _negate(_int8_weight(quantized, where), how),
                  input_ids=ids)
-    assert made and all((s.kernel is None) == (kernel == "torch-ops") for s in made)
+    assert made and all((s.backend == "int8-torch") == (kernel == "torch-ops") for s in made)
 
 
 @pytest.mark.parametrize("where", WHERE)

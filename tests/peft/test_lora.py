@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkv.generation import fast_gpt, generate
+from qkv.generation import generate
+from qkv.generation.plan import Unplannable, decode_plan
 from qkv.models import (
     BERT,
     GPT,
@@ -432,11 +433,21 @@ def test_mismatched_adapters_give_one_error_and_load_nothing(tmp_path):
 
 
 # --- generation: the fast decode path ---------------------------------------------------------
+def _plannable(model) -> bool:
+    """The model has an fp32/fp64 decode plan (``decode_plan`` describes it, not int8)."""
+    try:
+        return not decode_plan(model).int8
+    except Unplannable:
+        return False
+
+
 def test_generate_with_unmerged_lora_equals_uncached_and_merged():
+    """An unmerged LoRA wrapper has no decode plan (it decodes on the modules); disabled or
+    merged, the projections are plain ``nn.Linear`` again and the model has one."""
     model = tiny_gpt()
     add_lora(model, LoraConfig(r=4, targets=("q", "v", "ffn_in")))
     randomise_lora(model, std=0.5)
-    assert not fast_gpt.eligible(model)
+    assert not _plannable(model)
     ids = torch.randint(0, 61, (2, 5))
     out = generate(model, ids, max_new_tokens=8)
     slow = generate(model, ids, max_new_tokens=8, use_cache=False)
@@ -446,10 +457,10 @@ def test_generate_with_unmerged_lora_equals_uncached_and_merged():
         seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(out, seq)
     with disable_adapters(model):
-        assert fast_gpt.eligible(model)
+        assert _plannable(model)
         assert not torch.equal(generate(model, ids, max_new_tokens=8), out)
     merge(model)
-    assert fast_gpt.eligible(model)
+    assert _plannable(model)
     assert torch.equal(generate(model, ids, max_new_tokens=8), out)
 
 

@@ -1,9 +1,10 @@
-"""The batched fast prefill on token rows (``qkv.generation.fast_gpt.prefill_rows``: a
-left-padded batch runs its real tokens only) against oracles written apart from it: the
-model's own padded prefill (``GPT.hidden_states`` / ``GPT.forward`` over all N positions with
-the same caches), the fp64 copy of the model's uncached forward, the generic stepper
-(``GPTStepper``) and ``use_cache=False`` greedy decoding; learned positions, RoPE with GQA,
-unpacked (< 4 rows) and packed (>= 4 rows) steps.
+"""The batched fast prefill on token rows (``qkv.generation.prefill.prefill_rows``: a
+left-padded batch runs its real tokens only; the decode engine's fp32 steppers call it)
+against oracles written apart from it: the model's own padded prefill (``GPT.hidden_states``
+/ ``GPT.forward`` over all N positions with the same caches), the fp64 copy of the model's
+uncached forward, the generic stepper (``GPTStepper``) and ``use_cache=False`` greedy
+decoding; learned positions, RoPE with GQA, the torch backend (< 4 rows) and the
+oneDNN-packed one (>= 4 rows).
 
 Shapes: R rows, N prompt length, T new tokens, V vocab size, C width.
 """
@@ -17,8 +18,11 @@ import torch
 from _fast_gpt_models import left_padded, tiny_gpt
 
 import qkv
-from qkv.generation import fast_gpt
-from qkv.generation.fast_gpt import FastGPTStepper, prefill_rows
+from qkv.generation import stepper as stepper_module
+from qkv.generation.engine import choose, decoder_stepper
+from qkv.generation.linears import packing_works
+from qkv.generation.plan import Unplannable, decode_plan
+from qkv.generation.prefill import prefill_rows
 from qkv.generation.search import greedy_or_sample
 from qkv.generation.steppers import GPTStepper
 
@@ -44,6 +48,14 @@ def _prompts(rows: int = 6, n: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
     return left_padded(rows, n, shift=1)
 
 
+def _plannable(model) -> bool:
+    """The model has an fp32/fp64 decode plan (``decode_plan`` describes it, not int8)."""
+    try:
+        return not decode_plan(model).int8
+    except Unplannable:
+        return False
+
+
 @pytest.mark.parametrize("kw", VARIANTS, ids=VARIANT_IDS)
 def test_prefill_rows_equals_padded_prefill_and_fills_the_same_caches(kw):
     """Last-position hidden states == ``hidden_states`` over all N padded positions (1e-5);
@@ -67,22 +79,23 @@ def test_prefill_rows_equals_padded_prefill_and_fills_the_same_caches(kw):
 @pytest.mark.parametrize("kw", VARIANTS, ids=VARIANT_IDS)
 @pytest.mark.parametrize("batch", [3, 6], ids=["unpacked", "packed"])
 def test_stepper_prefill_uses_rows_and_matches_fp64(kw, batch, monkeypatch):
-    """``FastGPTStepper.prefill`` of a padded batch goes through ``prefill_rows``; its logits
-    and the next 4 steps' == the fp64 uncached forward, and the prefill logits == the
+    """The engine stepper's ``prefill`` of a padded batch goes through ``prefill_rows``; its
+    logits and the next 4 steps' == the fp64 uncached forward, and the prefill logits == the
     padded forward's (1e-5)."""
-    monkeypatch.setattr(fast_gpt, "PACKED_MIN_WEIGHTS", 1)
+    monkeypatch.setattr("qkv.generation.backends.PACKED_MIN_WEIGHTS", 1)
     monkeypatch.setattr("qkv.ops.fast_linear.MIN_ROWS", 4)
     calls = []
-    real_fn = fast_gpt.prefill_rows
-    monkeypatch.setattr(fast_gpt, "prefill_rows",
+    real_fn = prefill_rows
+    monkeypatch.setattr(stepper_module, "prefill_rows",
                         lambda *a: calls.append(1) or real_fn(*a))
     model = _gpt(**kw)
     ids, keep = _prompts(rows=batch)
     torch.manual_seed(3)
     new = torch.randint(3, 48, (batch, 4))
     with torch.inference_mode():
-        stepper = FastGPTStepper(model, ids, keep, new.shape[1])
-        assert stepper.packed == (batch >= 4 and fast_gpt.packing_works())
+        stepper = decoder_stepper(model, ids, keep, ids.shape[1] + new.shape[1])
+        assert (stepper.backend == "onednn-packed") == (batch >= 4 and packing_works())
+        assert stepper.backend in ("onednn-packed", "torch")
         got = [stepper.prefill()] + [stepper.step(new[:, i]) for i in range(new.shape[1])]
         assert calls == [1]
         padded = model(ids, attention_mask=keep)[:, -1]
@@ -113,15 +126,16 @@ def test_greedy_tokens_equal_generic_stepper_and_uncached(kw, batch):
 
 def test_unpadded_or_with_grad_keeps_the_padded_prefill(monkeypatch):
     """No padding, or gradients enabled: ``prefill`` stays on ``GPT.hidden_states``."""
-    monkeypatch.setattr(fast_gpt, "prefill_rows", lambda *a: pytest.fail("rows path taken"))
+    monkeypatch.setattr(stepper_module, "prefill_rows",
+                        lambda *a: pytest.fail("rows path taken"))
     model = _gpt()
     ids, keep = _prompts(rows=4)
     with torch.inference_mode():
-        got = FastGPTStepper(model, ids, None, 2).prefill()
+        got = decoder_stepper(model, ids, None, ids.shape[1] + 2).prefill()
         torch.testing.assert_close(got, model(ids)[:, -1], **TIGHT)
     model.requires_grad_(False)  # grad mode on, nothing to differentiate: caches accept it
     with torch.no_grad():
-        stepper = FastGPTStepper(model, ids, keep, 2)
+        stepper = decoder_stepper(model, ids, keep, ids.shape[1] + 2)
         want = model(ids, attention_mask=keep)[:, -1]
     with torch.enable_grad():
         got = stepper.prefill()
@@ -155,31 +169,35 @@ def test_prefill_rows_rejects_right_padding_and_bad_ids():
 
 
 def test_hooks_on_a_layer_fire_in_the_fast_prefill():
-    """A forward hook on a GPT layer: calling ``forward_rows`` would bypass it, so the padded
-    fast prefill takes ``GPT.hidden_states`` (the hook fires once per layer call) and the
-    tokens are unchanged."""
+    """A forward hook on a GPT layer: calling ``forward_rows`` would bypass it, so the model
+    has no decode plan and decodes on the ``modules`` backend, whose prefill calls the layer
+    on the padded (R, N) batch (the hook fires once per layer call); the tokens are
+    unchanged."""
     model = _gpt()
     ids, keep = _prompts(rows=6)
     want = qkv.generate(model, ids, attention_mask=keep, max_new_tokens=4)
     calls = []
     model.layers[0].register_forward_hook(lambda *a: calls.append(a[1][0].shape[:2]))
+    assert choose(model, 6).backend.name == "modules"
     got = qkv.generate(model, ids, attention_mask=keep, max_new_tokens=4)
     assert calls and calls[0] == ids.shape  # the prefill called the layer on (R, N)
     assert torch.equal(got, want)
 
 
 def test_a_hooked_model_decodes_on_the_generic_path_with_its_hooks():
-    """The lean steps call no module: a model with a hook anywhere is not ``eligible`` (the
-    generic stepper calls the modules, so the hook runs at every step); same tokens."""
+    """A plan's backends call no module: a model with a hook anywhere has no decode plan
+    (the ``modules`` backend calls the modules, so the hook runs at every step); same
+    tokens."""
     model = _gpt()
     ids, keep = _prompts(rows=6)
-    assert fast_gpt.eligible(model)
+    assert _plannable(model)
     want = qkv.generate(model, ids, attention_mask=keep, max_new_tokens=4)
     calls = []
     handle = model.layers[-1].ffn.fc_out.register_forward_hook(lambda *a: calls.append(1))
-    assert not fast_gpt.eligible(model)
+    assert not _plannable(model)
+    assert choose(model, 6).backend.name == "modules"
     got = qkv.generate(model, ids, attention_mask=keep, max_new_tokens=4)
     assert torch.equal(got, want)
     assert len(calls) >= 4  # the prefill and every decode step called the hooked module
     handle.remove()
-    assert fast_gpt.eligible(model)
+    assert _plannable(model)

@@ -1,6 +1,7 @@
-"""The lean decode step (``qkv.generation.fast_gpt.FastGPTStepper``) against the model's own
-uncached forward: one row (the q/k/v buffer views), GQA, RoPE, a prompt padded on the left,
-up to the cache's capacity, and ``reorder`` with rows taken from other prompts.
+"""The decode engine's torch backend (``qkv.generation.engine.decoder_stepper``, backend
+"torch": ``TorchLayers`` on (in, out) weight copies) against the model's own uncached
+forward, in fp64: one row (q as a view of the fused projection), GQA, RoPE, a prompt padded
+on the left, up to the cache's capacity, and ``reorder`` with rows taken from other prompts.
 
 Shapes: R rows, N prompt length, T new tokens, V vocab size.
 """
@@ -10,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qkv.generation.fast_gpt import FastGPTStepper, eligible
+from qkv.generation.engine import decoder_stepper
+from qkv.generation.plan import decode_plan
 from qkv.models import GPT, GPTConfig
 
 F64 = dict(atol=1e-12, rtol=1e-10)  # fp64: same math, another op order
@@ -40,13 +42,15 @@ def _forward_logits(model, ids, keep, new):
                                                                    positions="rope")],
                          ids=["mha", "gqa", "mqa-rope"])
 def test_one_row_to_capacity_equals_forward(kw):
-    """R = 1 takes the view path for q; T steps fill the cache to its last slot."""
+    """R = 1 takes the view path for q; T steps fill the cache to its last slot. An fp64
+    plan decodes on the torch backend without forcing it (the C layer and oneDNN are fp32)."""
     model = _gpt(**kw)
-    assert eligible(model)
+    assert not decode_plan(model).int8
     torch.manual_seed(3)
     ids, new = torch.randint(1, 40, (1, 5)), torch.randint(1, 40, (1, 9))
     with torch.inference_mode():
-        stepper = FastGPTStepper(model, ids, None, new.shape[1])
+        stepper = decoder_stepper(model, ids, None, ids.shape[1] + new.shape[1])
+        assert stepper.backend == "torch"
         got = [stepper.prefill()] + [stepper.step(new[:, i]) for i in range(new.shape[1])]
     torch.testing.assert_close(torch.stack(got, dim=1), _forward_logits(model, ids, None, new),
                                **F64)
@@ -68,7 +72,8 @@ def test_reorder_takes_rows_from_other_prompts(kw):
     new = torch.randint(1, 40, (3, 4))
     idx = torch.tensor([1, 2, 1])
     with torch.inference_mode():
-        stepper = FastGPTStepper(model, ids, keep, 4)
+        stepper = decoder_stepper(model, ids, keep, ids.shape[1] + 4)
+        assert stepper.backend == "torch"
         stepper.prefill()
         stepper.step(new[:, 0])
         stepper.reorder(idx)

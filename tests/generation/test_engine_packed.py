@@ -1,10 +1,11 @@
-"""The batched lean decode step on oneDNN packed weights (``FastGPTStepper`` with
-``packed``: R >= ``qkv.ops.fast_linear.MIN_ROWS`` rows, fp32) against oracles written apart
-from it: the fp64 copy of the model's own uncached forward (logits), the generic stepper
+"""The decode engine's batched backend on oneDNN packed weights (``decoder_stepper`` on
+"onednn-packed": R >= ``qkv.ops.fast_linear.MIN_ROWS`` rows, fp32) against oracles written
+apart from it: the fp64 copy of the model's own uncached forward (logits), the generic stepper
 (``GPTStepper``: the model's modules with their caches) and ``use_cache=False`` (tokens), at
 batch >= 4 with left padding, for each activation (fused into oneDNN or not), RoPE, GQA, no
-bias, and beam search (``reorder``). The tiny models here are below the size at which
-``generate`` picks this path on its own, so ``PACKED_MIN_WEIGHTS`` is lowered to force it.
+bias, and beam search (``reorder``); and the torch backend's (in, out) copies below
+``MIN_ROWS`` rows. The tiny models here are below the size at which the engine picks the
+packed backend on its own, so ``PACKED_MIN_WEIGHTS`` is lowered to let it.
 
 Shapes: R rows, N prompt length, T new tokens, V vocab size.
 """
@@ -18,12 +19,13 @@ import torch
 from _fast_gpt_models import left_padded, tiny_gpt
 
 import qkv
-from qkv.generation import attention_kernel, fast_gpt
-from qkv.generation.fast_gpt import FastGPTStepper
+from qkv.generation import attention_kernel
+from qkv.generation.engine import choose, decoder_stepper
+from qkv.generation.linears import packing_works
 from qkv.generation.steppers import GPTStepper
 from qkv.ops.fast_linear import onednn_linear, onednn_linear_active
 
-pytestmark = pytest.mark.skipif(not fast_gpt.packing_works(),
+pytestmark = pytest.mark.skipif(not packing_works(),
                                 reason="this torch build cannot pack weights for oneDNN")
 
 # fp32 step vs the fp64 forward: logits are O(1-10) here; the step's fp32 rounding
@@ -33,8 +35,8 @@ F32 = dict(atol=2e-4, rtol=2e-5)
 
 @pytest.fixture(autouse=True)
 def _packed_small(monkeypatch):
-    """Send even these tiny models through the packed path at 4+ rows, one thread."""
-    monkeypatch.setattr(fast_gpt, "PACKED_MIN_WEIGHTS", 1)
+    """Send even these tiny models through the packed backend at 4+ rows, one thread."""
+    monkeypatch.setattr("qkv.generation.backends.PACKED_MIN_WEIGHTS", 1)
     monkeypatch.setattr("qkv.ops.fast_linear.MIN_ROWS", 4)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -44,7 +46,7 @@ def _packed_small(monkeypatch):
 
 @pytest.fixture(params=["c-attention", "torch-attention"])
 def attn(request, monkeypatch):
-    """The packed step's attention through the C kernel, or through baddbmm/softmax/bmm."""
+    """The step's attention through the C kernel, or through baddbmm/softmax/bmm."""
     if request.param == "c-attention":
         if attention_kernel.load() is None:
             pytest.skip("the C attention kernel cannot be built here")
@@ -81,8 +83,10 @@ def test_packed_step_logits_equal_fp64_forward(kw, padded, attn):
     torch.manual_seed(3)
     new = torch.randint(3, 48, (6, 8))
     with torch.inference_mode():
-        stepper = FastGPTStepper(model, ids, None if not padded else keep, new.shape[1])
-        assert stepper.packed and (stepper.attn_kernel is not None) == attn
+        stepper = decoder_stepper(model, ids, None if not padded else keep,
+                                  ids.shape[1] + new.shape[1])
+        assert stepper.backend == "onednn-packed"
+        assert (stepper.runner.kernel is not None) == attn
         got = [stepper.prefill()] + [stepper.step(new[:, i]) for i in range(new.shape[1])]
         ref = copy.deepcopy(model).double()
         full = torch.cat((ids, new), dim=1)
@@ -98,8 +102,9 @@ def test_packed_greedy_tokens_equal_generic_stepper(kw, attn):
     model = _gpt(**kw)
     ids, keep = _prompts()
     with torch.inference_mode():
-        stepper = FastGPTStepper(model, ids, keep, 12)
-        assert stepper.packed and (stepper.attn_kernel is not None) == attn
+        stepper = decoder_stepper(model, ids, keep, ids.shape[1] + 12)
+        assert stepper.backend == "onednn-packed"
+        assert (stepper.runner.kernel is not None) == attn
         logits, fast = stepper.prefill(), []
         generic = GPTStepper(model, ids, keep, 12, use_cache=True)
         g_logits, slow = generic.prefill(), []
@@ -130,32 +135,40 @@ def test_packed_beam_search_equals_uncached(search, attn):
 
 
 def test_dispatch_rows_dtype_switch():
-    """Packed only from MIN_ROWS rows, fp32, and not under ``onednn_linear(False)``; the
-    1-row step keeps the (in, out) copies."""
+    """The engine picks the packed backend only from MIN_ROWS rows, fp32, and not under
+    ``onednn_linear(False)``; the 1-row stepper keeps (in, out) copies (the fp32 C layer,
+    or the torch backend where the C kernels cannot be built)."""
     model = _gpt()
     assert onednn_linear_active()
-    assert fast_gpt.use_packed(model, 4) and not fast_gpt.use_packed(model, 3)
+
+    def packed(m, rows):
+        return choose(m, rows).backend.name == "onednn-packed"
+
+    assert packed(model, 4) and not packed(model, 3)
     with onednn_linear(False):
-        assert not fast_gpt.use_packed(model, 16)
-    assert not fast_gpt.use_packed(copy.deepcopy(model).double(), 16)
+        assert not packed(model, 16)
+    assert not packed(copy.deepcopy(model).double(), 16)
     ids, _ = _prompts(rows=1)
     with torch.inference_mode():
-        assert not FastGPTStepper(model, ids, None, 3).packed
+        backend = decoder_stepper(model, ids, None, ids.shape[1] + 3).backend
+    assert backend in ("c-layer-fp32", "torch")
 
 
 def test_packed_weights_are_fresh_copies_of_the_weights_now():
-    """Each call packs the weights as they are: an edit behind the version counter is in
-    the next packing and the next step (copies of one generate call: nothing kept)."""
+    """Each stepper build packs the weights as they are: two builds hold distinct packed
+    copies, and an edit behind the version counter is in the next build's packing and its
+    steps (copies of one generate call: nothing kept)."""
     model = _gpt()
-    with torch.inference_mode():
-        kept = fast_gpt.packed_weights(model)
-        assert fast_gpt.packed_weights(model)[0] is not kept[0]
-    with torch.no_grad():
-        model.layers[1].ffn.fc_out.weight.data[5, 7] += 1.0  # behind the version counter
     ids, keep = _prompts()
     with torch.inference_mode():
-        stepper = FastGPTStepper(model, ids, keep, 2)
-        assert stepper.packed
+        kept = decoder_stepper(model, ids, keep, ids.shape[1] + 2).runner.lin.w
+        again = decoder_stepper(model, ids, keep, ids.shape[1] + 2).runner.lin.w
+        assert all(a is not b for a, b in zip(again, kept, strict=True))
+    with torch.no_grad():
+        model.layers[1].ffn.fc_out.weight.data[5, 7] += 1.0  # behind the version counter
+    with torch.inference_mode():
+        stepper = decoder_stepper(model, ids, keep, ids.shape[1] + 2)
+        assert stepper.backend == "onednn-packed"
         got = stepper.prefill()
         want = model(ids, attention_mask=keep)[:, -1]
         step = stepper.step(want.argmax(dim=-1))
@@ -169,8 +182,9 @@ def test_packed_weights_are_fresh_copies_of_the_weights_now():
                          ids=["gpt2", "rope-gqa"])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_unpacked_step_with_c_attention_equals_fp64_forward(kw, rows, attn):
-    """Below MIN_ROWS (the (in, out) addmm path), fp32 on one thread: attention through the
-    C kernel (or torch's ops) == the fp64 model's uncached forward; 3 rows padded."""
+    """Below MIN_ROWS, the torch backend (forced: at 1 row the engine picks the fp32 C layer)
+    on its (in, out) addmm copies, fp32 on one thread: attention through the C kernel (or
+    torch's ops) == the fp64 model's uncached forward; 3 rows padded."""
     model = _gpt(**kw)
     ids, keep = _prompts(rows=rows)
     keep = None if rows == 1 else keep
@@ -178,8 +192,9 @@ def test_unpacked_step_with_c_attention_equals_fp64_forward(kw, rows, attn):
     torch.manual_seed(4)
     new = torch.randint(3, 48, (rows, 8))
     with torch.inference_mode():
-        stepper = FastGPTStepper(model, ids, keep, new.shape[1])
-        assert not stepper.packed and (stepper.attn_kernel is not None) == attn
+        stepper = decoder_stepper(model, ids, keep, ids.shape[1] + new.shape[1],
+                                  backend="torch")
+        assert (stepper.runner.kernel is not None) == attn
         got = [stepper.prefill()] + [stepper.step(new[:, i]) for i in range(new.shape[1])]
         full = torch.cat((ids, new), dim=1)
         mask = None if keep is None else torch.cat(
