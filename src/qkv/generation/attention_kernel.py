@@ -1,14 +1,14 @@
-"""An optional C kernel for the batched decode step's attention (``fast_gpt``, R >= 4 rows):
-one query per row and head against the cache, in one call per layer, where the torch path is
-baddbmm -> softmax -> bmm over R·Hkv tiny batched products.
+"""An optional C kernel for the decode engine's one-query attention (``torch_layer``'s
+``TorchLayers`` on fp32 at one thread; the C layer calls it too): one query per row and head
+against the cache, in one call per layer, where the torch path is baddbmm -> softmax -> bmm
+over R·Hkv tiny batched products.
 
 Shapes: R rows, H query heads, Hkv key/value heads, g = H / Hkv, D head dim, S keys (the
 cache's filled part), cap the cache's capacity.
 
-At R = 16 the keys and values of a step (R·Hkv·S·D floats each, ~1.2 MB per layer at S = 48
-for a 6-head, 64-dim model) come from memory, not cache (the weights streamed in between
-evict them); MKL's batched product for one query row per batch reads them at ~6-8 GB/s here.
-This kernel walks each (row, kv head) block once for the scores and once for the values,
+With many rows the keys and values of a step come from memory, not cache (the weights
+streamed in between evict them), and MKL's batched product for one query row per batch reads
+them slowly (BENCHMARKS.md, "Batch-16 greedy vs HF"). This kernel walks each (row, kv head) block once for the scores and once for the values,
 computes the g queries of a kv head together (GQA reads each key once), and skips the key
 positions whose padding bias is -inf (a left-padded prompt's pads: never read). The math is
 torch's — scores = q·k · scale + bias, softmax as exp(x - max) / sum, then p @ v — in another
@@ -19,8 +19,8 @@ The C code is ``kernels/attention.c``, declared as the ``"attention"`` kernel of
 of each tensor, are there), compiled on first use (``cc -O3 -march=native -Wall -Werror``,
 cached per source, compiler and CPU flags; ``c_kernels``) and loaded with ``ctypes``. Any
 failure leaves ``load()`` returning None and the caller on the torch ops.
-``QKV_ATTN_KERNEL=0`` turns it off. fp32 only; single-threaded (the caller uses it when torch
-runs on one thread).
+``QKV_ATTN_KERNEL=0`` turns it off. fp32 only; single-threaded (the torch layer uses it when
+torch runs on one thread).
 """
 
 from __future__ import annotations

@@ -1,15 +1,14 @@
-"""An optional C kernel for the one-row fp32 decode step (``fast_gpt``): a row vector times a
-weight stored as (in, out), plus bias and an optional residual, in one call.
+"""An optional C kernel for the one-row fp32 C layer (``c_layer``, and the fp32 products of
+``row_step_kernel``): a row vector times a weight stored as (in, out), plus bias and an
+optional residual, in one call.
 
 Shapes: K input features, N output features.
 
-At one row a decode step is bound by reading every weight once. torch's CPU GEMM reads a
-(K, N) weight for one row at ~11-13 GB/s here, while a plain ``sum`` over the same weights
-reads ~17-18 GB/s. This kernel streams whole rows of the (in, out) weight, eight at a time,
-into an output row that stays in L1 cache: ``y = res + b + x @ W``. Measured here, 1 thread,
-the 25 matrices of a 6-layer, 384-wide GPT with an 8192-token head: ~3.8-4.5 ms a token
-against ~5.0-5.3 ms through ``torch.mm`` (``benchmarks/bench_generate.py`` measures the
-decode it gives against the torch-GEMM floor).
+At one row a decode step is bound by reading every weight once, and torch's CPU GEMM reads a
+(K, N) weight for one row slower than a plain streaming read of the same bytes. This kernel
+streams whole rows of the (in, out) weight, eight at a time, into an output row that stays in
+L1 cache: ``y = res + b + x @ W`` (``benchmarks/bench_generate.py`` measures the decode it
+gives against the torch-GEMM floor; BENCHMARKS.md).
 
 The math is ``addmm``'s in another summation order (the output starts at b + res, then adds
 the rows of x·W in order of the inputs; |diff| ~1e-7 relative, fp32). The C code is
@@ -19,7 +18,7 @@ narrower registers elsewhere), declared as the ``"gemv"`` kernel of ``kernel_reg
 its tensors), compiled on first use (``cc -O3 -march=native -Wall -Werror``, cached;
 ``c_kernels``) and loaded with ``ctypes``. Any failure leaves ``load()`` returning None and
 the caller on ``addmm``. ``QKV_GEMV_KERNEL=0`` turns it off. fp32 only; single-threaded (the
-caller uses it when torch runs on one thread).
+engine measures the C layer against the threaded torch backend at more threads).
 """
 
 from __future__ import annotations

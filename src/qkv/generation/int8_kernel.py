@@ -1,4 +1,5 @@
-"""An optional fused int8 linear layer for the int8 decode step (``fast_int8``): one C call
+"""An optional fused int8 linear layer for the decode engine's int8 backends
+(``linears.Int8KernelLinears``, and the int8 products of ``row_step_kernel``): one C call
 quantizes the activation rows, takes their int8 dot products with the weight rows and applies
 the epilogue ``acc·(a·s/127) + b`` (+ a residual), where the plain path runs ~7 torch ops.
 

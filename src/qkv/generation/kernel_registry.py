@@ -33,9 +33,9 @@ Which calls are checked: ``RowLayers.build`` fills each layer's ``qkv_row_layer`
 ``make_struct`` once (every weight, norm, scale, bias, cache and buffer pointer checked);
 its per-token calls of ``qkv_decode_layer`` then pass the checked struct unchecked (x's shape,
 dtype and contiguity are checked per call by ``RowLayers``). The per-token calls of
-``fast_gpt`` (attention, the LM head's gemv) and ``fast_int8`` (the int8 linear) use
-``load()``'s raw function with buffers they allocate and check themselves; ``check`` is the
-way to check such buffers once at construction (``fn(*check(name, ...))``).
+the decode engine (``torch_layer``'s attention, ``c_layer``'s LM-head gemv, ``linears``' int8
+projections) use ``load()``'s raw function on buffers whose fixed tensors were checked with
+``check`` once, when the runner was built.
 """
 
 from __future__ import annotations
