@@ -8,7 +8,8 @@ cache's filled part), cap the cache's capacity.
 
 With many rows the keys and values of a step come from memory, not cache (the weights
 streamed in between evict them), and MKL's batched product for one query row per batch reads
-them slowly (BENCHMARKS.md, "Batch-16 greedy vs HF"). This kernel walks each (row, kv head) block once for the scores and once for the values,
+them slowly (BENCHMARKS.md, "Batch-16 greedy vs HF"). This kernel walks each (row, kv head)
+block once for the scores and once for the values,
 computes the g queries of a kv head together (GQA reads each key once), and skips the key
 positions whose padding bias is -inf (a left-padded prompt's pads: never read). The math is
 torch's — scores = q·k · scale + bias, softmax as exp(x - max) / sum, then p @ v — in another
