@@ -60,8 +60,11 @@ def test_portable_build_has_no_vnni_branch():
 @needs_kernel
 @builds
 @pytest.mark.parametrize("m,k,n", [(1, 384, 1152), (1, 1536, 384), (3, 17, 5), (2, 130, 9),
-                                   (5, 64, 77), (4, 1, 3), (1, 203, 113)])
+                                   (5, 64, 77), (4, 1, 3), (1, 203, 113), (16, 130, 9),
+                                   (6, 70, 8), (8, 768, 33)])
 def test_kernel_bit_equal_to_the_torch_ops(m, k, n, build):
+    """From 4 rows the VNNI build takes the offset form (x + 128 unsigned, 128·Σw off),
+    below it the signed form; K tails and N % 4 remainders in both: bit for bit."""
     torch.manual_seed(0)
     w = torch.randn(n, k) * torch.rand(n, 1)
     wq, s = quantize_weight(w)
