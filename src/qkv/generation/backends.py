@@ -111,22 +111,33 @@ class _PlanBackend(Backend):
                            prefill_on_rows=self.prefill_on_rows)
 
 
+def _int8_kernel_check(plan: DecodePlan | None, dtype: torch.dtype,
+                       device: torch.device) -> str | None:
+    """Why an int8 plan cannot use the C int8 products here, or None."""
+    why = _plan_check(plan, dtype, device, int8=True) or _cpu(device)
+    if why is None and int8_kernel.load() is None:
+        why = "the int8 kernel is off or cannot be built here (QKV_INT8_KERNEL, a C compiler)"
+    return why
+
+
+def _c_layers(name: str, plan: DecodePlan, cache, bias, **kernels) -> CLayers:
+    """``CLayers.build`` for a backend whose ``supports`` accepted the plan."""
+    c = CLayers.build(plan, cache, bias, **kernels)
+    if c is None:
+        raise RuntimeError(f"{name}: RowLayers.build refused a supported plan")
+    return c
+
+
 class CLayerInt8(_PlanBackend):
     name = "c-layer-int8"
     prefill_on_rows = False
     one_thread = True
 
     def supports(self, plan, rows, dtype, device, threads):
-        why = _plan_check(plan, dtype, device, int8=True) or _cpu(device)
-        if why is None and int8_kernel.load() is None:
-            why = "the int8 kernel is off or cannot be built here (QKV_INT8_KERNEL, a C compiler)"
-        return why or _c_layer_check(plan)
+        return _int8_kernel_check(plan, dtype, device) or _c_layer_check(plan)
 
     def runner(self, plan, cache, bias):
-        c = CLayers.build(plan, cache, bias, int8=int8_kernel.load())
-        if c is None:
-            raise RuntimeError("c-layer-int8: RowLayers.build refused a supported plan")
-        return c
+        return _c_layers(self.name, plan, cache, bias, int8=int8_kernel.load())
 
 
 class Int8Kernel(_PlanBackend):
@@ -135,10 +146,7 @@ class Int8Kernel(_PlanBackend):
     one_thread = True
 
     def supports(self, plan, rows, dtype, device, threads):
-        why = _plan_check(plan, dtype, device, int8=True) or _cpu(device)
-        if why is None and int8_kernel.load() is None:
-            why = "the int8 kernel is off or cannot be built here (QKV_INT8_KERNEL, a C compiler)"
-        return why
+        return _int8_kernel_check(plan, dtype, device)
 
     def runner(self, plan, cache, bias):
         return TorchLayers(plan, Int8KernelLinears(plan, int8_kernel.load()), cache, bias)
@@ -178,10 +186,13 @@ class CLayerFP32(_PlanBackend):
         return why or _c_layer_check(plan)
 
     def runner(self, plan, cache, bias):
-        c = CLayers.build(plan, cache, bias, gemv=gemv_kernel.load())
-        if c is None:
-            raise RuntimeError("c-layer-fp32: RowLayers.build refused a supported plan")
-        return c
+        return _c_layers(self.name, plan, cache, bias, gemv=gemv_kernel.load())
+
+
+def _packing_check() -> str | None:
+    if packing_works():
+        return None
+    return "this torch build does not pack weights for oneDNN (or onednn_linear(False))"
 
 
 class OneDNNPacked(_PlanBackend):
@@ -198,9 +209,7 @@ class OneDNNPacked(_PlanBackend):
             mean = sum(lin.weight.numel() for lin in lins) / len(lins)
             if mean < PACKED_MIN_WEIGHTS:
                 why = f"{mean:.0f} weights per projection < {PACKED_MIN_WEIGHTS}"
-        if why is None and not packing_works():
-            why = "this torch build does not pack weights for oneDNN (or onednn_linear(False))"
-        return why
+        return why or _packing_check()
 
     def runner(self, plan, cache, bias):
         threads = torch.get_num_threads()
@@ -223,11 +232,7 @@ class Bf16Packed(_PlanBackend):
         why = _plan_check(plan, dtype, device, int8=False)
         if why is None and (dtype is not torch.bfloat16 or device.type != "cpu"):
             why = "for bf16 models on the CPU"
-        if why is None:
-            why = _bf16_check(device)
-        if why is None and not packing_works():
-            why = "this torch build does not pack weights for oneDNN (or onednn_linear(False))"
-        return why
+        return why or _bf16_check(device) or _packing_check()
 
     def runner(self, plan, cache, bias):
         return TorchLayers(plan, PackedLinears(plan), cache, bias)
