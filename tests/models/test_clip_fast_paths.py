@@ -1,5 +1,5 @@
-"""The lean paths of CLIP / ViT: ``EncoderLayer.forward_rows_at`` (a last layer at one query
-row per sequence), ``ViT.pooled_features`` and ``CLIPTextTower.pooled_features`` (what
+"""The lean paths of CLIP / ViT: ``EncoderLayer.forward(h, rows=..., at=...)`` (a last layer at
+one query row per sequence), ``ViT.pooled_features`` and ``CLIPTextTower.pooled_features`` (what
 ``encode_image`` / ``encode_text`` / ``loss`` run), and ``ViT.forward`` on token rows —
 against the full layers' ``forward`` (the path HF parity is tested on) and an fp64 oracle,
 values and gradients, with and without gradients, padded any way.
@@ -19,6 +19,7 @@ from qkv.models import CLIP, CLIPConfig
 from qkv.modules.feedforward import quick_gelu
 from qkv.modules.layers import EncoderLayer, TokenRows
 from qkv.modules.positions import RoPE
+from qkv.positions import ALiBi
 
 F64 = dict(atol=1e-10, rtol=1e-10)  # same math in fp64, a different order of operations
 C, H = 16, 4
@@ -92,10 +93,13 @@ def _oracle_row(layer: EncoderLayer, x: torch.Tensor, i: int, keys: torch.Tensor
     return ln(layer.norm2, y + ffn(y))
 
 
-# --- EncoderLayer.forward_rows_at ----------------------------------------------------------
+# --- EncoderLayer.forward(h, rows=..., at=...) -------------------------------------------
 @pytest.mark.parametrize("norm_first", [True, False])
 @pytest.mark.parametrize("grad", [False, True])
-def test_forward_rows_at_matches_oracle_and_forward_rows(norm_first, grad):
+def test_at_rows_match_oracle_and_all_rows(norm_first, grad):
+    """``at=`` with the N queries' mask and causal (each chosen query's own row of them), or
+    with a mask that is already the chosen queries' (no causal): the oracle's row, and the
+    row of the all-rows call."""
     layer = _layer(norm_first)
     b, n = 3, 9
     torch.manual_seed(2)
@@ -107,22 +111,25 @@ def test_forward_rows_at_matches_oracle_and_forward_rows(norm_first, grad):
     at = torch.searchsorted(rows.index, torch.arange(b) * n + pos)  # (B,) rows of h
     keys = keep & (torch.arange(n)[None] <= pos[:, None])  # (B, N)
     with torch.set_grad_enabled(grad):
-        got = layer.forward_rows_at(h, rows, at, mask=keys[:, None, None, :],
-                                    bufs=None if grad else {})
-        full = layer.forward_rows(h, rows, mask=keep[:, None, None, :], causal=True)
+        got = layer(h, rows=rows, at=at, mask=keep[:, None, None, :], causal=True,
+                    bufs=None if grad else {})
+        own = layer(h, rows=rows, at=at, mask=keys[:, None, None, :],
+                    bufs=None if grad else {})
+        full = layer(h, rows=rows, mask=keep[:, None, None, :], causal=True)
     for i in range(b):
         want = _oracle_row(layer, x[i], int(pos[i]), keys[i])
         torch.testing.assert_close(got[i], want, **F64)
+        torch.testing.assert_close(own[i], want, **F64)
         torch.testing.assert_close(got[i], full[int(at[i])], **F64)
 
 
-def test_forward_rows_at_unpadded_no_mask_gradients():
+def test_at_rows_unpadded_no_mask_gradients():
     layer = _layer(True).train()
     torch.manual_seed(3)
     x = torch.randn(2, 6, C, dtype=torch.float64, requires_grad=True)
     rows = TokenRows(None, batch=2, length=6)
     at = torch.tensor([0, 6])  # the first token of each sequence
-    got = layer.forward_rows_at(rows.pack(x), rows, at)
+    got = layer(rows.pack(x), rows=rows, at=at)
     got.square().sum().backward()
     g_at = {k: p.grad.clone() for k, p in layer.named_parameters()}
     gx = x.grad.clone()
@@ -134,19 +141,34 @@ def test_forward_rows_at_unpadded_no_mask_gradients():
     torch.testing.assert_close(gx, x.grad, **F64)
 
 
-def test_forward_rows_at_refuses_rope_and_wrapped_layers_are_not_direct():
+def test_at_rows_run_through_the_layer_call_and_refuse_a_bias_producer():
+    """``at=`` is an argument of the layer's call, so what wraps the call runs: a forward
+    hook sees the (B, C) output, an instance ``forward`` wrapper (what activation
+    checkpointing sets) gets ``at``; with RoPE too. A bias producer (positions by the
+    queries' count, not their columns) is refused."""
     layer = _layer(True, rope=True)
-    rows = TokenRows(None, batch=1, length=3)
-    assert not layer.rows_at_direct()
-    with pytest.raises(ValueError, match="rope"):
-        layer.forward_rows_at(torch.zeros(3, C, dtype=torch.float64), rows, torch.tensor([0]))
-    plain = _layer(True)
-    assert plain.rows_at_direct()
-    handle = plain.register_forward_hook(lambda *a: None)
-    assert not plain.rows_at_direct()
-    handle.remove()
-    plain.forward_rows = plain.forward_rows  # what activation checkpointing does
-    assert not plain.rows_at_direct()
+    rows = TokenRows(None, batch=2, length=3)
+    h = torch.randn(6, C, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    at = torch.tensor([2, 3])
+    seen, calls = [], []
+    handle = layer.register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
+    with torch.no_grad():
+        want = layer(h, rows=rows, at=at)
+        assert seen == [(2, C)]
+        handle.remove()
+        plain = layer.forward
+
+        def wrapped(*args, **kwargs):
+            calls.append(kwargs.get("at"))
+            return plain(*args, **kwargs)
+
+        layer.forward = wrapped
+        got = layer(h, rows=rows, at=at)
+        assert len(calls) == 1 and torch.equal(calls[0], at) and torch.equal(got, want)
+        all_rows = layer(h, rows=rows, causal=False)  # (T, C): RoPE positions 0..2 each
+        torch.testing.assert_close(got, all_rows[at], **F64)
+        with pytest.raises(ValueError, match="bias producer"):
+            layer(h, rows=rows, at=at, bias=ALiBi(H))
 
 
 # --- ViT ------------------------------------------------------------------------------------
@@ -198,23 +220,27 @@ def test_vit_pooled_features_gradients():
         torch.testing.assert_close(got[k], p.grad, **F64, msg=k)
 
 
-def test_vit_wrapped_last_layer_runs_in_full():
+def test_vit_wrapped_last_layer_is_called_at_the_class_tokens():
+    """An instance ``forward`` wrapper on the last layer (as activation checkpointing sets)
+    is called, once, with every B·T row and ``at`` the class tokens; same pooled features."""
     vit = _clip().vision.eval()
     px = torch.randn(2, 3, 32, 32, dtype=torch.float64)
     last = vit.layers[-1]
     calls = []
-    plain = last.forward_rows
+    plain = last.forward
 
     def wrapped(*args, **kwargs):  # as activation checkpointing wraps it, on the instance
-        calls.append(args[0].shape)
+        at = kwargs.get("at")
+        calls.append((tuple(args[0].shape), None if at is None else at.tolist()))
         return plain(*args, **kwargs)
 
-    last.forward_rows = wrapped
+    last.forward = wrapped
     with torch.no_grad():
         got = vit.pooled_features(px)
+        calls_pooled = list(calls)
         want = _vit_oracle(vit, px)[0][:, 0]
     torch.testing.assert_close(got, want, **F64)
-    assert calls == [(2 * 17, 64)]  # the wrapper ran, on all B·T rows
+    assert calls_pooled == [((2 * 17, 64), [0, 17])]  # all B·T rows in, the class tokens out
 
 
 # --- the text tower -------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """``qkv.modules.linear_call.apply_linear``: plain ``nn.Linear``s go through
 ``qkv.ops.fast_linear`` (oneDNN), anything else is called as a module; and the modules built
-on it — an ``EncoderLayer`` stack (forward and ``forward_rows``), cross-attention,
+on it — an ``EncoderLayer`` stack (padded and on token rows), cross-attention,
 ``FeedForward`` (quick_gelu folded without gradients), ``SwiGLU``, GPT — with the oneDNN path
 forced on for small shapes, against the same code under ``onednn_linear(False)`` (F.linear)
 and an fp64 oracle, outputs and gradients.
@@ -160,7 +160,7 @@ def test_quick_gelu_ffn_vs_fp64_oracle(grad, onednn_calls):
     assert len(onednn_calls) == 2
     torch.testing.assert_close(got.double(), _quick_gelu_ffn_oracle(ff, x.detach()),
                                atol=2e-6, rtol=2e-6)
-    with torch.no_grad():  # in place (forward_rows' no-grad path): the same values
+    with torch.no_grad():  # in place (the token rows' no-grad path): the same values
         torch.testing.assert_close(ff.run(x.detach(), inplace=True), got.detach(), **TOL)
 
 
@@ -205,8 +205,8 @@ def _both(run):
 @pytest.mark.parametrize("norm_first", [True, False])
 @pytest.mark.parametrize("activation", ["quick_gelu", "gelu", "swiglu"])
 def test_encoder_stack_forced_onednn_vs_f_linear(norm_first, activation, onednn_calls):
-    """Three EncoderLayers (causal, padded keys): forward, forward_rows with and without
-    gradients, and the gradients of every parameter and of x."""
+    """Three EncoderLayers (causal, padded keys): forward, token rows (``rows=``) with and
+    without gradients, and the gradients of every parameter and of x."""
     torch.manual_seed(0)
     layers = nn.ModuleList(EncoderLayer.build(16, 4, ffn_hidden=24, activation=activation,
                                               norm_first=norm_first) for _ in range(3))
@@ -221,12 +221,12 @@ def test_encoder_stack_forced_onednn_vs_f_linear(norm_first, activation, onednn_
             h = layer(h, mask=mask, causal=True)
         r = rows.pack(x)
         for layer in layers:
-            r = layer.forward_rows(r, rows, mask=mask, causal=True)
+            r = layer(r, rows=rows, mask=mask, causal=True)
         loss = (rows.pack(h) * torch.linspace(-1, 1, 16)).square().sum() + r.square().sum()
         with torch.no_grad():
             r0, bufs = rows.pack(x), {}
             for layer in layers:
-                r0 = layer.forward_rows(r0, rows, mask=mask, causal=True, bufs=bufs)
+                r0 = layer(r0, rows=rows, mask=mask, causal=True, bufs=bufs)
         return (rows.pack(h), r, r0), torch.autograd.grad(loss, [x, *layers.parameters()])
 
     (got, got_g), (want, want_g) = _both(run)
@@ -281,9 +281,9 @@ def test_gpt_forward_backward_forced_onednn_vs_f_linear(onednn_calls):
 
 @pytest.mark.parametrize("where", ["attn", "attn.in_proj", "attn.out_proj", "ffn", "ffn.fc_in"])
 @pytest.mark.parametrize("grad", [True, False])
-def test_forward_rows_honours_hooks(where, grad, onednn_calls):
-    """A forward hook (doubling the output) anywhere in a layer fires in forward_rows as in
-    forward, and the rows equal forward's."""
+def test_token_rows_honour_hooks(where, grad, onednn_calls):
+    """A forward hook (doubling the output) anywhere in a layer fires on token rows
+    (``rows=``) as on the padded batch, and the rows equal the padded forward's."""
     torch.manual_seed(0)
     layer = EncoderLayer.build(16, 4, ffn_hidden=24, activation="quick_gelu", norm_first=True)
     fired = []
@@ -294,13 +294,13 @@ def test_forward_rows_honours_hooks(where, grad, onednn_calls):
     with torch.set_grad_enabled(grad):
         want = layer(x)
         assert fired == [where]
-        got = layer.forward_rows(rows.pack(x), rows, bufs=None if grad else {})
+        got = layer(rows.pack(x), rows=rows, bufs=None if grad else {})
     assert fired == [where, where]
     torch.testing.assert_close(got, rows.pack(want), **TOL)
 
 
 def test_inplace_activation_only_on_a_plain_projection_output():
-    """forward_rows' no-grad in-place activation must not overwrite what another fc_in
+    """The token rows' no-grad in-place activation must not overwrite what another fc_in
     returns (here its own input)."""
     torch.manual_seed(0)
     ff = FeedForward(16, 16, activation="relu")

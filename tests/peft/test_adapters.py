@@ -78,8 +78,8 @@ def test_bit_identical_at_init(kind, placement, gen):
 
     Against the unwrapped base model, the outputs agree within fp32 rounding only: the
     encoder-decoder's eval encoder runs a plain layer on the real tokens' rows
-    (``EncoderLayer.forward_rows``, T rows) but a layer whose attention is wrapped on the
-    padded batch (B·N rows), and with more than one thread the GEMMs round differently by
+    (``EncoderLayer.forward`` with ``rows=``, T rows) but a layer whose attention is wrapped
+    on the padded batch (B·N rows), and with more than one thread the GEMMs round differently by
     row count (seen: OMP_NUM_THREADS=2, Houlsby). Tolerance there: atol 1e-5, rtol 1e-5
     (logits ~1-4, fp32 sums over C = 32)."""
     model = _model(kind)

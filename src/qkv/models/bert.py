@@ -18,8 +18,8 @@ Key padding follows the qkv convention (True = may attend): ``attention_mask`` (
 keys/values (see ``key_padding_mask``); a mask without any padding is dropped, so the
 attention kernel runs unmasked. A padded batch runs every token-wise op (projections, FFN,
 LayerNorms: ~90% of the time) on its T real tokens only, packed (T, C); only attention
-itself sees the padded (B, H, N, D) layout (``EncoderLayer.forward_rows``, shared with the
-encoder-decoder's encoder).
+itself sees the padded (B, H, N, D) layout (``EncoderLayer.forward(h, rows=...)``, shared
+with the encoder-decoder's encoder).
 
 Loading HuggingFace checkpoints: ``BERT.from_hf(dir)`` (or ``BERT.from_pretrained(dir)``)
 reads config.json (model_type "bert") and model.safetensors, fuses each layer's
@@ -293,7 +293,7 @@ class BERT(PretrainedMixin, nn.Module):
             if not bool(keep.all()):  # no padding: run the kernel unmasked
                 mask = key_padding_mask(keep)  # (B, 1, 1, N)
         x = self.embed(ids, token_type_ids, position_ids)  # (B, N, C)
-        # The layers run on 2-D (T, C) token rows (EncoderLayer.forward_rows): every
+        # The layers run on 2-D (T, C) token rows (EncoderLayer.forward, rows=): every
         # token-wise op (projections, FFN, norms) sees only the T real tokens of a padded
         # batch (T = B·N without padding); attention alone runs in the padded layout.
         rows = TokenRows(None if mask is None else keep, batch=b, length=n)
@@ -301,8 +301,7 @@ class BERT(PretrainedMixin, nn.Module):
         attentions = []
         bufs: dict[str, Tensor] | None = None if torch.is_grad_enabled() else {}
         for layer in self.layers:
-            h = layer.forward_rows(h, rows, mask=mask, need_weights=output_attentions,
-                                   bufs=bufs)
+            h = layer(h, rows=rows, mask=mask, need_weights=output_attentions, bufs=bufs)
             if output_attentions:
                 h, w = h
                 attentions.append(w)
@@ -375,7 +374,7 @@ def key_padding_mask(keep: Tensor) -> Tensor:
     Equivalent to ``qkv.masks.Padding(keep=keep)`` except that ``qkv.attention`` skips
     ``Padding``'s guard against NaN/inf stored past a sequence's end (a read-only finiteness
     sum of k and v per layer; a copy only when they hold NaN/inf). BERT's token rows leave
-    exact zeros at the padded keys/values (``EncoderLayer.forward_rows``), so the guard
+    exact zeros at the padded keys/values (``EncoderLayer.forward``, rows=), so the guard
     would buy nothing here.
     """
     return keep[:, None, None, :]  # (B, 1, 1, N)

@@ -303,12 +303,12 @@ class CLIPTextTower(nn.Module):
                         ) -> Tensor:
         """``forward(input_ids, attention_mask).pooled`` (B, Ct) alone, computing only what
         it reads. Attention is causal, so the pooled token (position p_b) sees positions
-        ≤ p_b only: the layers run on the token rows (``EncoderLayer.forward_rows``) of the
-        real tokens up to each row's pooled token (padding and everything after the
-        end-of-text token skipped), the length cut to max(p_b) + 1, and the last layer (and
-        the final norm) at the pooled tokens alone (``EncoderLayer.forward_rows_at``; a
-        wrapped last layer — hooks, FSDP, activation checkpointing — runs in full). Same
-        arguments and errors as ``forward``."""
+        ≤ p_b only: the layers run on the token rows (``EncoderLayer.forward`` with
+        ``rows=``) of the real tokens up to each row's pooled token (padding and everything
+        after the end-of-text token skipped), the length cut to max(p_b) + 1, and the last
+        layer (and the final norm) at the pooled tokens alone (``at=``; a layer whose
+        attention is swapped or hooked computes its rows in full inside). Same arguments
+        and errors as ``forward``."""
         ids, keep, pool_at = self._inputs(input_ids, attention_mask)
         b = ids.shape[0]
         n = int(pool_at.max()) + 1  # nothing after the last pooled token matters
@@ -328,17 +328,14 @@ class CLIPTextTower(nn.Module):
         h = self.token_embed(rows.pack(ids)) + self.position.weight[flat_pos]  # (T, Ct)
         h = self.drop(h)
         bufs: dict[str, Tensor] | None = None if torch.is_grad_enabled() else {}
-        layers = list(self.layers)
-        last = layers[-1] if layers[-1].rows_at_direct() else None
-        for layer in layers if last is None else layers[:-1]:
-            h = layer.forward_rows(h, rows, mask=mask, causal=True, bufs=bufs)
+        *body, last = self.layers
+        for layer in body:
+            h = layer(h, rows=rows, mask=mask, causal=True, bufs=bufs)
         # the pooled tokens' rows in h
         flat_at = torch.arange(b, device=ids.device) * n + pool_at  # (B,) in B·N
         if rows.index is not None:
             flat_at = torch.searchsorted(rows.index, flat_at)  # (B,) in T
-        if last is None:
-            return self.norm(h.index_select(0, flat_at))  # (B, Ct)
-        h = last.forward_rows_at(h, rows, flat_at, mask=keys[:, None, None, :], bufs=bufs)
+        h = last(h, rows=rows, at=flat_at, mask=mask, causal=True, bufs=bufs)  # (B, Ct)
         return self.norm(h)  # (B, Ct)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, *,

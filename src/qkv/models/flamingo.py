@@ -331,7 +331,7 @@ class Flamingo(nn.Module):
             x = lm.positions(x, pos)  # (B, N, C)
         if lm.drop.p and lm.training:
             x = lm.drop(x)
-        mask, causal = lm._layer_mask(keep, cache, n)
+        mask, causal = lm.layer_mask(keep, cache, n)
         rope_pos = pos if lm.rope is not None else None
         blocks = dict(self.gated.items())  # layer index (str) -> block
         for i, layer in enumerate(lm.layers):

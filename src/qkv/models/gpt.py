@@ -216,10 +216,21 @@ class GPT(PretrainedMixin, nn.Module):
                              f"{_shape(attention_mask)}")
         return attention_mask.bool()
 
-    def _layer_mask(self, keep: Tensor | None, cache: Any, n: int) -> tuple[Mask | None, bool]:
-        """The layers' ``(mask, causal)``: key padding over the keys the attention sees (the
-        last ``key_length`` of ``keep``) and, with a window, ``SlidingWindow(W)`` (needed only
-        when some returned key is outside some query's window)."""
+    def layer_mask(self, keep: Tensor | None, cache: Any, n: int) -> tuple[Mask | None, bool]:
+        """The ``(mask, causal)`` that ``hidden_states`` hands every layer, for N = ``n`` new
+        tokens: key padding over the S keys the attention sees (the last S of ``keep``;
+        S = ``cache[0].key_length(n)`` with a cache, else N) and, with a window,
+        ``SlidingWindow(W)`` (needed only when some key is outside some query's window).
+
+        Args:
+            keep: (B, past + N) bool, True = real token (``attention_mask``), or None.
+            cache: the per-layer caches (``new_cache``) or None.
+            n: N, the number of new tokens.
+
+        Returns:
+            ``(mask, causal)``: a ``qkv.masks.Padding``, a ``SlidingWindow`` (``& Padding``)
+            or None, and whether the layers add ``Causal()``.
+        """
         s = n if cache is None else cache[0].key_length(n)
         if keep is not None:
             keep = keep[:, keep.shape[1] - s:]  # (B, S)
@@ -263,7 +274,7 @@ class GPT(PretrainedMixin, nn.Module):
             x = self.positions(x, pos)  # (B, N, C); a position >= max_len raises ValueError
         if self.drop.p and self.training:
             x = self.drop(x)
-        mask, causal = self._layer_mask(keep, cache, n)
+        mask, causal = self.layer_mask(keep, cache, n)
         rope_pos = pos if self.rope is not None else None
         attentions: list[Tensor] = []
         for i, layer in enumerate(self.layers):

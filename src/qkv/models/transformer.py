@@ -212,7 +212,7 @@ class Transformer(PretrainedMixin, nn.Module):
                  ) -> tuple[Tensor, list[Tensor]]:
         mask = None if keep is None else Padding(keep=keep)
         weights = []
-        # eval, padded: the layers run on the real tokens' rows (EncoderLayer.forward_rows;
+        # eval, padded: the layers run on the real tokens' rows (EncoderLayer, rows=;
         # the padded positions of the output are zeros, masked wherever they are read)
         rows = TokenRows(keep) if keep is not None and not self.training else None
         if rows is not None:
@@ -220,7 +220,7 @@ class Transformer(PretrainedMixin, nn.Module):
         for i, layer in enumerate(self.encoder_layers):
             kw = dict(mask=mask, bias=self._layer_bias(self.encoder_bias, i),
                       need_weights=need_weights)
-            x = layer(x, **kw) if rows is None else layer.forward_rows(x, rows, **kw)
+            x = layer(x, rows=rows, **kw)
             if need_weights:
                 x, w = x
                 weights.append(w)
@@ -316,7 +316,7 @@ class Transformer(PretrainedMixin, nn.Module):
         Returns:
             ``(memory (B, S, C), memory_mask (B, S) bool)``: the encoder output (after the
             final norm if any) and its keep-mask, to pass to ``decode``. In eval a padded
-            source runs as token rows (``EncoderLayer.forward_rows``): the padded positions
+            source runs as token rows (``EncoderLayer.forward``, rows=): the padded positions
             of memory hold zeros (the final norm of zeros with one), masked wherever memory
             is read.
         """

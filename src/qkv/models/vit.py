@@ -372,14 +372,14 @@ class ViT(PretrainedMixin, nn.Module):
         x = self.embed(pixel_values)  # (B, T, C)
         hidden = [x] if output_hidden_states else None
         attentions = [] if output_attentions else None
-        # The layers run on the (B·T, C) rows (EncoderLayer.forward_rows; nothing is padded:
-        # the same math as the layers' forward): without gradients the MLP activation runs
+        # The layers run on the (B·T, C) rows (EncoderLayer.forward with rows=; nothing is
+        # padded: the same math as on (B, T, C)): without gradients the MLP activation runs
         # in place (quick_gelu folded into the projections, see FeedForward).
         rows = TokenRows(None, batch=x.shape[0], length=x.shape[1])
         h = rows.pack(x)  # (B·T, C)
         bufs: dict[str, Tensor] | None = None if torch.is_grad_enabled() else {}
         for layer in self.layers:
-            h = layer.forward_rows(h, rows, need_weights=output_attentions, bufs=bufs)
+            h = layer(h, rows=rows, need_weights=output_attentions, bufs=bufs)
             if output_attentions:
                 h, wts = h
                 attentions.append(wts)
@@ -399,10 +399,11 @@ class ViT(PretrainedMixin, nn.Module):
     def pooled_features(self, pixel_values: Tensor) -> Tensor:
         """``forward(pixel_values).pooled`` (B, C) alone, computing only what it reads: with
         ``pooling="cls"`` the last layer's query projection, attention, output projection,
-        FFN and the final norm run for the class tokens only (``EncoderLayer
-        .forward_rows_at``; every token is still a key/value), i.e. ~3/4 of the last layer
-        is skipped. A last layer that is wrapped (hooks, FSDP, activation checkpointing) or
-        mean pooling runs in full. Same arguments and errors as ``forward``."""
+        FFN and the final norm run for the class tokens only (``EncoderLayer.forward`` with
+        ``at=``; every token is still a key/value), i.e. ~3/4 of the last layer is skipped
+        (a layer whose attention is swapped or hooked computes its rows in full inside;
+        FSDP, activation checkpointing and hooks on the layer wrap that call). Mean pooling
+        runs the last layer in full. Same arguments and errors as ``forward``."""
         x = self.embed(pixel_values)  # (B, T, C)
         b, t, _ = x.shape
         rows = TokenRows(None, batch=b, length=t)
@@ -410,14 +411,12 @@ class ViT(PretrainedMixin, nn.Module):
         bufs: dict[str, Tensor] | None = None if torch.is_grad_enabled() else {}
         layers = list(self.layers)
         last = layers[-1] if layers and self.config.pooling == "cls" else None
-        if last is not None and not last.rows_at_direct():
-            last = None
         for layer in layers if last is None else layers[:-1]:
-            h = layer.forward_rows(h, rows, bufs=bufs)
+            h = layer(h, rows=rows, bufs=bufs)
         if last is None:
             return self.pool(self.norm(rows.unpack(h)))  # (B, C)
         at = torch.arange(b, device=h.device) * t  # (B,) the class tokens' rows
-        return self.norm(last.forward_rows_at(h, rows, at, bufs=bufs))  # (B, C)
+        return self.norm(last(h, rows=rows, at=at, bufs=bufs))  # (B, C)
 
     # --- HuggingFace --------------------------------------------------------------------
     @classmethod

@@ -7,6 +7,10 @@ Inputs and outputs are batch-first (B, N, C); heads run in the internal (B, H, N
 Self-attention uses one fused projection (C -> (H + 2·Hkv)·D); the (B, H, N, D) query/key/
 value tensors are strided views of its output (no copies: torch's SDPA takes them as they
 are). Cross-attention projects queries from ``x`` and keys/values from ``context``.
+
+Token rows (``rows=``, a ``TokenRows``: T real tokens of a padded batch packed (T, C)): the
+projections see the T rows, attention alone the padded (B, H, N, D) layout; ``at=`` keeps
+one query row per sequence (B of them), every row still a key/value.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from ..ops.fast_linear import fast_linear
 from ..ops.masks import Mask
 from .cache import KVCache
 from .linear_call import apply_linear, is_plain_linear
+from .token_rows import TokenRows, chosen_queries
 
 __all__ = ["MultiHeadAttention", "project_rows"]
 
@@ -226,12 +231,13 @@ class MultiHeadAttention(nn.Module):
                 mask: Mask | Tensor | None = None, causal: bool = False,
                 bias: Tensor | BiasProducer | None = None, need_weights: bool = False,
                 cache: KVCache | None = None, kv: tuple[Tensor, Tensor] | None = None,
-                positions: Tensor | None = None,
-                prefix: Any = None) -> Tensor | tuple[Tensor, Tensor]:
+                positions: Tensor | None = None, prefix: Any = None,
+                rows: TokenRows | None = None, at: Tensor | None = None,
+                bufs: dict[str, Tensor] | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``x`` to itself (self-attention) or to ``context`` / ``kv`` (cross).
 
         Args:
-            x: queries' input (B, N, C).
+            x: queries' input (B, N, C); with ``rows``, token rows (T, C).
             context: cross-attention keys'/values' input (B, S, Ckv); None: self-attention.
             mask: True = may attend; a ``qkv.masks.Mask`` or a bool tensor broadcastable to
                 (B, H, N, S). With a cache, S is the cache length after this step's write.
@@ -253,16 +259,40 @@ class MultiHeadAttention(nn.Module):
                 applied to the keys/values (B, Hkv, S, D) after the rotation and the cache
                 write, just before the attention core; prefix tuning prepends its learned
                 keys/values with it (S grows by the prefix length P).
+            rows: self-attention on token rows (``qkv.modules.token_rows.TokenRows``): x is
+                ``rows.pack(xp)``, the T real tokens of a padded (B, N, C) batch xp, and the
+                output is (T, C), equal to ``rows.pack(self(xp, ...))`` for the same other
+                arguments (all in the padded layout: mask, bias, positions over N), provided
+                ``mask`` masks every padded key (its keys/values are zeros here, not
+                projections of padded inputs; a cache stores those zeros). The projections
+                see the T rows, the attention core the padded (B, H, N, D) layout.
+            at: with ``rows``: (B,) integer rows of x, ``at[b]`` a token of sequence b; only
+                these B queries are computed (every row is still a key/value, and cached):
+                the output is (B, C) (weights (B, H, 1, S)), row b equal to row ``at[b]`` of
+                the ``rows`` output for the same arguments. ``mask``, ``causal`` and a
+                ``bias`` tensor keep their meaning for all N queries (each chosen query
+                gets its own row of them); a bias producer is refused.
+            bufs: with ``rows`` and no gradients: a dict shared by the calls of one forward
+                (a model's layers), in which the padded (B·N, (H + 2·Hkv)·D) projection is
+                a buffer reused from call to call (its padded rows stay zero).
 
         Returns:
-            out (B, N, C), or ``(out, weights)`` with weights (B, H, N, S) when
-            ``need_weights``.
+            out (B, N, C) ((T, C) with ``rows``, (B, C) with ``at``), or ``(out, weights)``
+            with weights (B, H, N, S) ((B, H, 1, S) with ``at``) when ``need_weights``.
 
         Raises:
             TypeError / ValueError naming the offending argument and its shape.
         """
-        self._check_input("x", x, self.dim)
-        batch, n, _ = x.shape
+        if rows is None:
+            if at is not None or bufs is not None:
+                raise ValueError("MultiHeadAttention: at and bufs are for token rows; give "
+                                 "rows= (a TokenRows) too")
+            self._check_input("x", x, self.dim)
+            batch, n, _ = x.shape
+        else:
+            self._check_rows(x, rows, context, kv)
+            batch, n = rows.batch, rows.length
+        cols = None if at is None else rows.columns(at)  # (B,) the chosen queries' columns
         if context is not None or kv is not None:
             if context is not None and kv is not None:
                 raise ValueError("MultiHeadAttention: give context or kv, not both")
@@ -292,15 +322,22 @@ class MultiHeadAttention(nn.Module):
             if cache is not None and not isinstance(cache, KVCache):
                 raise TypeError(f"MultiHeadAttention: cache must be a qkv KVCache, "
                                 f"got {type(cache).__name__}")
-            proj = apply_linear(self.in_proj, x)  # (B, N, (H + 2·Hkv)·D)
+            proj = apply_linear(self.in_proj, x)  # (B, N, (H + 2·Hkv)·D); rows: (T, ...)
+            q_at = None
+            if rows is not None:
+                if at is not None:  # the B chosen queries
+                    q_at = proj.index_select(0, at)[:, None, :self._splits[0]]  # (B, 1, H·D)
+                proj = rows.unpack(proj, bufs=bufs)  # (B, N, (H + 2·Hkv)·D)
             q, k, v = proj.split(self._splits, dim=-1)  # (B, N, H·D), (B, N, Hkv·D) x2
-            q = self._heads(q, self.num_heads)  # (B, H, N, D)
+            q = self._heads(q if q_at is None else q_at, self.num_heads)  # (B, H, N|1, D)
             k = self._heads(k, self.num_kv_heads)  # (B, Hkv, N, D)
             v = self._heads(v, self.num_kv_heads)  # (B, Hkv, N, D)
             if self.rope is not None:
                 start = 0 if cache is None else cache.length
                 pos = self._positions(positions, start, batch, n, x.device)
-                q, k = self.rope.rotate(q, pos), self.rope.rotate(k, pos)
+                q_pos = pos if cols is None else pos.expand(batch, n).gather(
+                    1, cols[:, None])  # (B, 1) the chosen queries' positions
+                q, k = self.rope.rotate(q, q_pos), self.rope.rotate(k, pos)
             elif positions is not None:
                 raise ValueError("MultiHeadAttention: positions given but this module has no "
                                  "rope module (pass rope= to the constructor)")
@@ -308,15 +345,40 @@ class MultiHeadAttention(nn.Module):
                 k, v = cache.append(k, v)  # (B, Hkv, S, D), S = cache length
             if prefix is not None:  # prefix tuning: (B, Hkv, P + S, D)
                 k, v, mask = prefix(k, v, mask, cache)
+        if cols is not None:  # each chosen query's row of the N queries' mask and bias
+            mask, bias = chosen_queries(mask, causal, bias, cols, self.num_heads, n,
+                                        k.shape[2])
+            causal = False
         out = attention(q, k, v, mask=mask, bias=bias, causal=causal,
                         dropout_p=self.dropout if self.training else 0.0,
                         return_weights=need_weights, backend=self.backend)
         weights = None
         if need_weights:
             out, weights = out
-        out = out.transpose(1, 2).reshape(batch, n, self._splits[0])  # (B, N, H·D)
-        out = apply_linear(self.out_proj, out)  # (B, N, C)
+        out = out.transpose(1, 2)  # (B, N|1, H, D)
+        if rows is None:
+            out = out.reshape(batch, n, self._splits[0])  # (B, N, H·D)
+        elif at is None:
+            out = rows.pack(out)  # (T, H, D)
+            out = out.reshape(out.shape[0], self._splits[0])  # (T, H·D)
+        else:
+            out = out.reshape(batch, self._splits[0])  # (B, H·D)
+        out = apply_linear(self.out_proj, out)  # (B, N, C) / (T, C) / (B, C)
         return (out, weights) if need_weights else out
+
+    def _check_rows(self, x: Any, rows: Any, context: Any, kv: Any) -> None:
+        if not isinstance(rows, TokenRows):
+            raise TypeError(f"MultiHeadAttention: rows must be a TokenRows, "
+                            f"got {type(rows).__name__}")
+        if context is not None or kv is not None:
+            raise ValueError("MultiHeadAttention: rows (token rows) serve self-attention "
+                             "only; got context/kv too")
+        if not isinstance(x, Tensor):
+            raise TypeError(f"MultiHeadAttention: x must be a torch.Tensor, "
+                            f"got {type(x).__name__}")
+        if _shape(x) != (rows.count, self.dim):
+            raise ValueError(f"MultiHeadAttention: with rows, x must be the (T, C) = "
+                             f"({rows.count}, {self.dim}) token rows, got {_shape(x)}")
 
     def new_cache(self, batch: int, capacity: int, *, dtype: torch.dtype | None = None,
                   device: torch.device | str | None = None) -> KVCache:

@@ -56,7 +56,7 @@ class FeedForward(nn.Module):
     def run(self, x: Tensor, *, inplace: bool = False) -> Tensor:
         """``forward`` on x (..., C) -> (..., C) (any leading dims: token rows (T, C) too).
         ``inplace``: apply the activation in place on the hidden (..., F) tensor (only
-        without gradients, as ``EncoderLayer.forward_rows`` does)."""
+        without gradients, as ``EncoderLayer.forward`` does on token rows with bufs)."""
         fc_in, fc_out = self.fc_in, self.fc_out
         if (self.activation == "quick_gelu" and not torch.is_grad_enabled()
                 and fc_in.weight.dtype in _FOLD_DTYPES

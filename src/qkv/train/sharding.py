@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -61,10 +60,10 @@ PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloa
 #: the model methods training calls instead of ``forward``: they run FSDP's root hooks too
 _ENTRY_METHODS = ("masked_lm", "loss", "encode", "decode", "encode_image", "encode_text",
                   "hidden_states")
-#: layer methods a model calls instead of the layer's ``forward`` (BERT and the padded
-#: encoder run ``EncoderLayer.forward_rows`` on packed token rows): they get the layer's FSDP
-#: hooks (gather before, free after) and its activation checkpointing too
-_LAYER_METHODS = ("forward", "forward_rows")
+#: the layer methods activation checkpointing wraps: ``forward`` alone, since every entry
+#: (token rows, ``at=`` rows included: ``EncoderLayer.forward(x, rows=..., at=...)``) is a call
+#: of the layer, which also runs its FSDP hooks (gather before, free after)
+_LAYER_METHODS = ("forward",)
 
 
 def find_layers(model: nn.Module) -> list[nn.Module]:
@@ -146,9 +145,6 @@ def shard_model(model: nn.Module, *, mesh: Any = None, mp_policy: Any = None,
                               "mp_policy": mp_policy or MixedPrecisionPolicy()}
     for layer in find_layers(model):
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
-        for name in _LAYER_METHODS[1:]:
-            if callable(getattr(type(layer), name, None)):
-                register_fsdp_forward_method(layer, name)
     fully_shard(model, **kwargs)
     for name in _ENTRY_METHODS:  # e.g. BERT.masked_lm uses the tied table after forward
         if callable(getattr(type(model), name, None)):
@@ -212,23 +208,11 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
 def _checkpointed(plain: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(plain)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled() or _INSIDE.active:  # a method calling forward: once
+        if not torch.is_grad_enabled():
             return plain(*args, **kwargs)
-        _INSIDE.active = True
-        try:
-            return checkpoint(plain, *args, use_reentrant=False, **kwargs)
-        finally:
-            _INSIDE.active = False
+        return checkpoint(plain, *args, use_reentrant=False, **kwargs)
 
     return run
-
-
-class _Inside(threading.local):
-    active = False
-
-
-#: set while a checkpointed layer method runs (its recomputation included)
-_INSIDE = _Inside()
 
 
 @contextlib.contextmanager
