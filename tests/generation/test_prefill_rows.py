@@ -144,9 +144,10 @@ def test_unpadded_or_with_grad_keeps_the_padded_prefill(monkeypatch):
 
 @pytest.mark.parametrize("kw", [dict(), dict(positions="rope", num_kv_heads=2)],
                          ids=["learned", "rope-gqa"])
-def test_hooked_last_layer_falls_back_to_forward_rows(kw):
-    """A hook on the last layer's attention (not ``rows_are_direct``): the last layer runs
-    ``forward_rows`` on every row (which calls the modules, hook included); same result."""
+def test_hooked_last_layer_falls_back_to_the_padded_batch(kw):
+    """A hook on the last layer's attention: the last layer's ``forward(rows=, at=)`` computes
+    the padded batch inside (calling the modules, hook included) and takes the rows; same
+    result."""
     model = _gpt(**kw)
     seen = []
     model.layers[-1].attn.register_forward_hook(lambda *a: seen.append(1))
@@ -169,7 +170,7 @@ def test_prefill_rows_rejects_right_padding_and_bad_ids():
 
 
 def test_hooks_on_a_layer_fire_in_the_fast_prefill():
-    """A forward hook on a GPT layer: calling ``forward_rows`` would bypass it, so the model
+    """A forward hook on a GPT layer: the decode steps call no module, so the model
     has no decode plan and decodes on the ``modules`` backend, whose prefill calls the layer
     on the padded (R, N) batch (the hook fires once per layer call); the tokens are
     unchanged."""
