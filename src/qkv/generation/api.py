@@ -14,12 +14,10 @@ import torch
 from torch import Tensor, nn
 
 from ..models.transformer import Transformer
-from .fast_gpt import FastGPTStepper, eligible
-from .fast_int8 import Int8GPTStepper
-from .fast_int8 import eligible as int8_eligible
-from .multi_token_gpt import MultiTokenGPTStepper
+from .engine import decoder_stepper
 from .prompt_lookup import DEFAULT_NGRAM, NgramIndex, prompt_lookup_greedy
 from .search import beam_search, greedy_or_sample
+from .speculative import speculative_generate
 from .steppers import GPTStepper, Seq2SeqStepper, check_truncatable
 
 __all__ = ["generate"]
@@ -143,7 +141,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
              decoder_start_token_id: int | None = None,
              generator: torch.Generator | None = None, use_cache: bool = True,
              prompt_lookup_num_tokens: int | None = None,
-             max_matching_ngram_size: int | None = None) -> Tensor:
+             max_matching_ngram_size: int | None = None,
+             draft_model: nn.Module | None = None, num_draft_tokens: int = 5) -> Tensor:
     """Generate tokens with a decoder-only model (``qkv.models.GPT``, or anything with its
     interface) or an encoder-decoder ``qkv.models.Transformer``.
 
@@ -181,6 +180,16 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
             output copies its input (``qkv.generation.prompt_lookup``). None: off.
         max_matching_ngram_size: the longest n-gram looked up (default 2, as HF); only with
             ``prompt_lookup_num_tokens``.
+        draft_model: a small decoder-only model with the same vocabulary turns on
+            speculative decoding (greedy or sampling; decoder-only models, no beams, no prompt
+            lookup, ``use_cache=True``): each round it proposes up to ``num_draft_tokens``
+            tokens, the model checks them in one forward pass and keeps a prefix plus one
+            token of its own. Greedy: the model's greedy tokens; sampling: each token
+            distributed as plain sampling draws it (temperature, top_k, top_p alike), in fewer
+            forward passes of the model when the draft often agrees with it
+            (``qkv.generation.speculative``). None: off.
+        num_draft_tokens: k >= 1, the most tokens the draft proposes per round (default 5);
+            only with ``draft_model``.
 
     Returns:
         GPT: (B, N + T) int64, the prompt then the new tokens (as HF's ``generate``);
@@ -191,12 +200,12 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
     Beam search follows HuggingFace's ``generate(num_beams=K)`` with its default
     ``early_stopping=False`` heuristic (see ``qkv.generation.search.beam_search``); with the
     same weights it returns HF's tokens. Decoding runs under ``torch.inference_mode()``; a
-    plain ``GPT`` decodes through a lean single-token step (``qkv.generation.fast_gpt``) on
-    copies of its linear weights made by this call from the weights as they are now and
-    freed when it returns: transposed ones for fewer than 4 rows, oneDNN-packed ones (fp32)
-    from 4 rows on (each set about the size of those weights). Nothing is kept between
-    calls: a weight edited in any way (even in place through ``.data`` or numpy) is decoded
-    as edited by the next call.
+decoder-only model decodes through the decode engine (``qkv.generation.engine``): its
+``DecodePlan`` on the first backend that supports it (``qkv.generation.explain(model,
+batch=...)`` says which, and why the others refuse), else through its own modules. A
+backend's weight copies (transposed, oneDNN-packed) are made by this call from the weights as
+they are now and freed when it returns: nothing is kept between calls, so a weight edited in
+any way (even in place through ``.data`` or numpy) is decoded as edited by the next call.
 
     Raises:
         TypeError for a model of another kind or an argument of the wrong type; ValueError
@@ -204,12 +213,15 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
         options without do_sample, do_sample with beams, a token id outside the vocabulary,
         right-padded GPT prompts, more positions than the model's ``max_len``,
         ``prompt_lookup_num_tokens`` < 1 or with beams or sampling); TypeError for prompt
-        lookup on a model whose caches cannot roll back (sliding-window, linear attention).
+        lookup on a model whose caches cannot roll back (sliding-window, linear attention);
+        ValueError for ``draft_model`` with beams, prompt lookup, an encoder-decoder,
+        ``use_cache=False`` or another vocabulary size, or ``num_draft_tokens`` not an int >= 1.
     """
     _check_args(num_beams, length_penalty, do_sample, temperature, top_k, top_p, generator,
                 use_cache, max_new_tokens)
     lookup = _check_lookup(prompt_lookup_num_tokens, max_matching_ngram_size, num_beams,
                            do_sample)
+    draft = _check_draft(draft_model, num_draft_tokens, model, num_beams, lookup, use_cache)
     ids = _check_ids(input_ids)
     eos_token_id = _stop_ids(eos_token_id)
     if isinstance(model, Transformer):
@@ -223,7 +235,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
                              "a decoder-only model continues its prompt")
         out = _generate_decoder(model, ids, attention_mask, max_new_tokens, num_beams,
                                 length_penalty, do_sample, temperature, top_k, top_p,
-                                eos_token_id, pad_token_id, generator, use_cache, lookup)
+                                eos_token_id, pad_token_id, generator, use_cache, lookup,
+                                draft)
     else:
         raise TypeError(f"generate: model must be a qkv.models.GPT (or a decoder with "
                         f"forward(ids, attention_mask=, cache=) and new_cache(batch, "
@@ -246,6 +259,34 @@ def _check_lookup(k: Any, ngram: Any, num_beams: int, do_sample: bool
         raise ValueError(f"generate: prompt_lookup_num_tokens={k} is greedy decoding only; it "
                          f"cannot be combined with {what}")
     return k, DEFAULT_NGRAM if ngram is None else ngram
+
+
+def _check_draft(draft_model: Any, k: Any, model: Any, num_beams: int,
+                 lookup: tuple[int, int] | None, use_cache: bool) -> tuple[nn.Module, int] | None:
+    """``(draft model, num_draft_tokens)`` for speculative decoding, or None when it is off."""
+    if draft_model is None:
+        if k != 5:
+            raise ValueError(f"generate: num_draft_tokens={k!r} only applies with draft_model")
+        return None
+    _int("num_draft_tokens", k, 1)
+    for what, bad in (("an encoder-decoder model", isinstance(model, Transformer)),
+                      (f"num_beams={num_beams}", num_beams > 1),
+                      ("prompt_lookup_num_tokens", lookup is not None),
+                      ("use_cache=False", not use_cache)):
+        if bad:
+            raise ValueError(f"generate: draft_model (speculative decoding, decoder-only "
+                             f"models with the cache) cannot be combined with {what}")
+    if (not isinstance(draft_model, nn.Module) or isinstance(draft_model, Transformer)
+            or not callable(getattr(draft_model, "new_cache", None))):
+        raise TypeError(f"generate: draft_model must be a decoder-only model like "
+                        f"qkv.models.GPT (forward(ids, attention_mask=, cache=) and "
+                        f"new_cache(batch, capacity)), got {type(draft_model).__name__}")
+    ours = getattr(getattr(draft_model, "config", None), "vocab_size", None)
+    theirs = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(ours, int) and isinstance(theirs, int) and ours != theirs:
+        raise ValueError(f"generate: draft_model has vocab_size {ours}, the target {theirs}: "
+                         f"speculative decoding needs one vocabulary")
+    return draft_model, k
 
 
 def _lookup(stepper, segments: list[list[list[int]]], lookup: tuple[int, int],
@@ -275,7 +316,7 @@ def _search(stepper, rows: int, num_beams: int, max_new_tokens: int, length_pena
 
 def _generate_decoder(model, ids, attention_mask, max_new_tokens, num_beams, length_penalty,
                       do_sample, temperature, top_k, top_p, eos, pad, generator,
-                      use_cache, lookup) -> Tensor:
+                      use_cache, lookup, draft=None) -> Tensor:
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
     if isinstance(vocab, int):
@@ -296,15 +337,16 @@ def _generate_decoder(model, ids, attention_mask, max_new_tokens, num_beams, len
         if num_beams > 1:
             rows_ids = ids.repeat_interleave(num_beams, dim=0)
             rows_keep = None if keep is None else keep.repeat_interleave(num_beams, dim=0)
-        fast = use_cache and eligible(model)
-        if fast and lookup is not None:  # verifies several tokens per row, rolls back
-            stepper = MultiTokenGPTStepper(model, rows_ids, rows_keep, n + max_new_tokens)
-        elif fast:
-            stepper = FastGPTStepper(model, rows_ids, rows_keep, max_new_tokens)
-        elif use_cache and lookup is None and int8_eligible(model):  # qkv.quantize'd GPT
-            stepper = Int8GPTStepper(model, rows_ids, rows_keep, max_new_tokens)
-        else:
+        if use_cache:  # the decode engine: the model's plan on the first backend that fits
+            stepper = decoder_stepper(model, rows_ids, rows_keep, n + max_new_tokens)
+        else:  # the whole sequence every step: the oracle
             stepper = GPTStepper(model, rows_ids, rows_keep, max_new_tokens, use_cache)
+        if draft is not None:
+            new = speculative_generate(model, draft[0], ids, keep, max_new_tokens,
+                                       num_tokens=draft[1], do_sample=do_sample,
+                                       temperature=temperature, top_k=top_k, top_p=top_p,
+                                       eos=eos, pad=pad, generator=generator)
+            return torch.cat((ids, new), dim=1)
         if lookup is not None:
             real = ids.tolist() if keep is None else [
                 row[k].tolist() for row, k in zip(ids, keep, strict=True)]
