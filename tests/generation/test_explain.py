@@ -123,3 +123,16 @@ def test_step_seconds_times_a_real_decode_step():
     from qkv.generation.plan import decode_plan
     sec = engine.step_seconds(backend_named("torch"), decode_plan(tiny_gpt()), 2)
     assert 0 < sec < 5
+
+
+def test_prompt_lookup_runs_on_a_backend_that_verifies_in_one_pass(monkeypatch, one_torch_thread):
+    """At one fp32 row the C layer decodes plain greedy, but it feeds one token per call:
+    prompt lookup (several tokens per pass) runs on the next backend, which ``explain(...,
+    multi_token=True)`` names, with the C layer's refusal."""
+    model = tiny_gpt()
+    ids = torch.randint(3, 48, (1, 5))
+    if _marked(explain(model)) != "c-layer-fp32":
+        pytest.skip("the C layer kernel does not build here")
+    text = explain(model, multi_token=True)
+    assert "c-layer-fp32: feeds one token per call" in text
+    assert _ran(monkeypatch, model, ids, prompt_lookup_num_tokens=3) == _marked(text) == "torch"

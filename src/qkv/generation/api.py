@@ -337,16 +337,18 @@ def _generate_decoder(model, ids, attention_mask, max_new_tokens, num_beams, len
         if num_beams > 1:
             rows_ids = ids.repeat_interleave(num_beams, dim=0)
             rows_keep = None if keep is None else keep.repeat_interleave(num_beams, dim=0)
-        if use_cache:  # the decode engine: the model's plan on the first backend that fits
-            stepper = decoder_stepper(model, rows_ids, rows_keep, n + max_new_tokens)
-        else:  # the whole sequence every step: the oracle
-            stepper = GPTStepper(model, rows_ids, rows_keep, max_new_tokens, use_cache)
-        if draft is not None:
+        if draft is not None:  # builds its own two steppers
             new = speculative_generate(model, draft[0], ids, keep, max_new_tokens,
                                        num_tokens=draft[1], do_sample=do_sample,
                                        temperature=temperature, top_k=top_k, top_p=top_p,
                                        eos=eos, pad=pad, generator=generator)
             return torch.cat((ids, new), dim=1)
+        if use_cache:  # the decode engine: the model's plan on the first backend that fits
+            # (prompt lookup verifies k + 1 tokens per pass: a backend that feeds them in one)
+            stepper = decoder_stepper(model, rows_ids, rows_keep, n + max_new_tokens,
+                                      multi_token=lookup is not None)
+        else:  # the whole sequence every step: the oracle
+            stepper = GPTStepper(model, rows_ids, rows_keep, max_new_tokens, use_cache)
         if lookup is not None:
             real = ids.tolist() if keep is None else [
                 row[k].tolist() for row, k in zip(ids, keep, strict=True)]

@@ -58,6 +58,8 @@ class Backend:
 
     name = ""
     one_thread = False
+    one_token_only = False
+    """``run(n)`` feeds the n tokens one call each (n plain steps' cost), not in one pass."""
 
     def supports(self, plan: DecodePlan | None, rows: int, dtype: torch.dtype,
                  device: torch.device, threads: int) -> str | None:
@@ -132,6 +134,7 @@ class CLayerInt8(_PlanBackend):
     name = "c-layer-int8"
     prefill_on_rows = False
     one_thread = True
+    one_token_only = True
 
     def supports(self, plan, rows, dtype, device, threads):
         return _int8_kernel_check(plan, dtype, device) or _c_layer_check(plan)
@@ -174,6 +177,7 @@ def _attention_kernel(plan: DecodePlan, threads: int):
 class CLayerFP32(_PlanBackend):
     name = "c-layer-fp32"
     one_thread = True
+    one_token_only = True
 
     def supports(self, plan, rows, dtype, device, threads):
         why = _plan_check(plan, dtype, device, int8=False) or _cpu(device)

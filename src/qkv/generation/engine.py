@@ -105,13 +105,16 @@ def _plan(model: nn.Module) -> tuple[DecodePlan | None, str | None]:
 
 def choose(model: nn.Module, rows: int, *, dtype: torch.dtype | None = None,
            device: torch.device | str | None = None, threads: int | None = None,
-           backend: str | None = None, measure: bool | None = None) -> Choice:
+           backend: str | None = None, measure: bool | None = None,
+           multi_token: bool = False) -> Choice:
     """The backend that decodes ``model`` for ``rows`` rows, with the reasons the earlier ones
     refused. ``dtype``/``device`` default to the model's embedding's, ``threads`` to
     ``torch.get_num_threads()``. ``backend`` forces one by name (ValueError when it refuses,
     with its reason). ``measure``: at more than one thread, time a one-thread backend
     against the first that uses the threads (module docstring); None: unless
-    ``QKV_DECODE_MEASURE=0``."""
+    ``QKV_DECODE_MEASURE=0``. ``multi_token``: the caller feeds several tokens per ``run``
+    (prompt lookup, speculative verification): backends that feed one token per call
+    (``Backend.one_token_only``) refuse."""
     plan, why_no_plan = _plan(model)
     weight = next((p for p in model.parameters()), None)
     if dtype is None:
@@ -124,11 +127,14 @@ def choose(model: nn.Module, rows: int, *, dtype: torch.dtype | None = None,
     candidates = BACKENDS if backend is None else (backend_named(backend),)
     for i, b in enumerate(candidates):
         why = b.supports(plan, rows, dtype, device, threads)
+        if why is None and multi_token and b.one_token_only:
+            why = "feeds one token per call; several per pass were asked (multi_token)"
         if why is None:
             if backend is None and b.one_thread and threads > 1 and _measuring(measure):
                 other = next((o for o in candidates[i + 1:] if not o.one_thread and o.name
-                              != "modules" and o.supports(plan, rows, dtype, device, threads)
-                              is None), None)
+                              != "modules" and not (multi_token and o.one_token_only)
+                              and o.supports(plan, rows, dtype, device, threads) is None),
+                             None)
                 if other is not None:
                     measured = _measure(plan, rows, threads, b, other)
                     if measured[other.name] < measured[b.name]:
@@ -146,24 +152,27 @@ def choose(model: nn.Module, rows: int, *, dtype: torch.dtype | None = None,
 
 
 def decoder_stepper(model: nn.Module, ids: Tensor, keep: Tensor | None, capacity: int, *,
-                    backend: str | None = None):
+                    backend: str | None = None, multi_token: bool = False):
     """A cached stepper for the decoder-only ``model`` on prompts ``ids`` (R, N), left-padded
     with ``keep`` (R, N) bool (True = real token) or None, with caches of ``capacity``
     positions; its ``backend`` attribute names the backend that runs. ``backend`` forces one
-    by name (tests, benchmarks)."""
-    choice = choose(model, ids.shape[0], device=ids.device, backend=backend)
+    by name (tests, benchmarks); ``multi_token`` as for ``choose``."""
+    choice = choose(model, ids.shape[0], device=ids.device, backend=backend,
+                    multi_token=multi_token)
     return choice.backend.stepper(choice.plan, model, ids, keep, capacity)
 
 
 def explain(model: nn.Module, *, batch: int = 1, num_beams: int = 1,
             dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-            threads: int | None = None) -> str:
+            threads: int | None = None, multi_token: bool = False) -> str:
     """What ``qkv.generate`` would decode ``model`` with for ``batch`` prompts (× ``num_beams``
     rows each): the backend that would run and, for every other one, why it refuses (or
-    that it was not tried). ``dtype``, ``device``, ``threads`` default as ``choose``'s. Returns
-    the text (also printed by ``qkv.generation.explain``'s callers as they like)."""
+    that it was not tried). ``dtype``, ``device``, ``threads`` default as ``choose``'s;
+    ``multi_token=True`` for what prompt lookup (``prompt_lookup_num_tokens``) and the target
+    of speculative decoding run on. Returns the text."""
     rows = batch * num_beams
-    choice = choose(model, rows, dtype=dtype, device=device, threads=threads)
+    choice = choose(model, rows, dtype=dtype, device=device, threads=threads,
+                    multi_token=multi_token)
     threads = torch.get_num_threads() if threads is None else threads
     lines = [f"decode: {type(model).__name__}, {rows} row(s), {threads} thread(s)"]
     lines.append("  plan: " + ("none: " + choice.why_no_plan if choice.plan is None else

@@ -42,7 +42,6 @@ import torch
 from torch import Tensor, nn
 
 from ..modules.cache import WindowKVCache
-from .backends import BACKENDS
 from .engine import decoder_stepper
 from .search import argmax_rows, filter_logits
 from .steppers import GPTStepper
@@ -69,10 +68,9 @@ def verifier_stepper(model: nn.Module, ids: Tensor, keep: Tensor | None, capacit
     roll back (``rewind``): the decode engine's (``qkv.generation.engine.decoder_stepper``:
     the model's plan on the first backend that fits, else the generic ``GPTStepper``).
 
-    With ``tokens_per_pass`` > 1 (the target, which verifies k + 1 tokens per ``run``), a
-    backend whose layer runner feeds one token per call (the C layer: ``run(n)`` is n calls,
-    so verifying would cost what n plain steps cost) gives way to the next backend in the
-    engine's order that accepts the model and feeds n tokens in one pass; the draft
+    With ``tokens_per_pass`` > 1 (the target, which verifies k + 1 tokens per ``run``), the
+    engine skips the backends that feed one token per call (the C layer: ``run(n)`` is n
+    calls, so verifying would cost what n plain steps cost; ``multi_token=True``); the draft
     (``tokens_per_pass=1``) keeps the engine's choice.
 
     Args:
@@ -82,22 +80,7 @@ def verifier_stepper(model: nn.Module, ids: Tensor, keep: Tensor | None, capacit
         capacity: positions the caches hold (N + every token fed later).
         tokens_per_pass: the tokens a typical ``run`` feeds per row.
     """
-    stepper = decoder_stepper(model, ids, keep, capacity)
-    if tokens_per_pass == 1 or not _one_token_only(stepper):
-        return stepper
-    names = [b.name for b in BACKENDS]
-    for name in names[names.index(stepper.backend) + 1:]:
-        try:
-            other = decoder_stepper(model, ids, keep, capacity, backend=name)
-        except ValueError:  # this backend refuses the model
-            continue
-        if not _one_token_only(other):
-            return other
-    return stepper
-
-
-def _one_token_only(stepper: Verifier) -> bool:
-    return bool(getattr(getattr(stepper, "runner", None), "one_token_only", False))
+    return decoder_stepper(model, ids, keep, capacity, multi_token=tokens_per_pass > 1)
 
 
 def _check_rollback(stepper: Verifier, who: str) -> None:
