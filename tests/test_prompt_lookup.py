@@ -363,3 +363,22 @@ def test_ngram_size_changes_drafts_not_tokens(gpt, stats):
         got = qkv.generate(gpt, ids, attention_mask=mask, max_new_tokens=25,
                            prompt_lookup_num_tokens=4, max_matching_ngram_size=n)
         assert torch.equal(got, want)
+
+
+def test_output_stops_where_greedy_stops_when_every_row_ends_inside_a_block():
+    """When the last running row reaches its stop token inside a verified block, the output
+    ends at that column, as greedy's does (not at the block's end, with pads after): the
+    same tokens and the same shape, for every stop token, on a small-vocabulary model whose
+    repeated prompts get drafts accepted (before the fix: 2 of these 12 stop tokens gave
+    longer outputs)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=12, max_len=64, dim=32, num_layers=2, num_heads=4))
+    _spread(model, 0.3)
+    torch.manual_seed(0)
+    ids = torch.randint(1, 12, (1, 6)).repeat(1, 2)
+    for rows in (ids, ids.repeat(3, 1)):
+        for eos in range(12):
+            want = qkv.generate(model, rows, max_new_tokens=24, eos_token_id=eos)
+            got = qkv.generate(model, rows, max_new_tokens=24, eos_token_id=eos,
+                               prompt_lookup_num_tokens=4)
+            assert got.shape == want.shape and torch.equal(got, want), eos

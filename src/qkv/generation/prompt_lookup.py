@@ -137,6 +137,7 @@ def prompt_lookup_greedy(stepper: Verifier, texts: list[NgramIndex], max_new_tok
         nonlocal done, last
         m = tokens.shape[1]
         values = tokens.tolist()
+        end = 0  # the columns up to the last stop token of a row finishing in this block
         for r in range(rows):
             for j in range(m):
                 if finished[r]:
@@ -145,7 +146,12 @@ def prompt_lookup_greedy(stepper: Verifier, texts: list[NgramIndex], max_new_tok
                 tok = values[r][j]
                 texts[r].append(tok)
                 finished[r] = tok in stops
+                if finished[r]:
+                    end = max(end, j + 1)
         block = torch.tensor(values, dtype=torch.long, device=device)  # (R, m)
+        if all(finished):  # greedy stops at the column where its last row finished
+            m = end
+            block = block[:, :m]
         out[:, done:done + m] = block
         done += m
         last = block[:, -1]
