@@ -7,7 +7,7 @@ Shapes: N prompt length, T new tokens, C width, L layers, H heads, V vocab.
    mode. An HF ``GPT2LMHeadModel`` with random weights is saved with safetensors and loaded
    into qkv with ``GPT.from_hf`` (the same weights); a deep copy is quantized. Contenders:
    HF ``generate``; ``qkv.generate`` (fp32, its fast decode step); the int8 model through
-   ``qkv.generate`` (which dispatches it to ``qkv.generation.fast_int8.Int8GPTStepper``, with
+   ``qkv.generate`` (which dispatches it to the decode engine's int8 backends, with
    the fused C int8 layer of ``qkv.generation.int8_kernel`` when it builds here); the int8
    step alone (prefill + T - 1 steps + argmax, no search loop) with the fused kernel and with
    the plain torch ops (``kernel=False``, each layer ~7 ops through ``torch._int_mm``);
@@ -49,7 +49,7 @@ import torch
 from benchmarks._harness import print_cpu, print_table
 from qkv import generate, quantize
 from qkv.generation import int8_kernel
-from qkv.generation.fast_int8 import Int8GPTStepper
+from qkv.generation.engine import decoder_stepper
 from qkv.generation.steppers import GPTStepper
 from qkv.models import GPT
 
@@ -73,12 +73,16 @@ def build(args) -> tuple[torch.nn.Module, GPT, GPT]:
 def int8_decode(model: GPT, ids: torch.Tensor, tokens: int, kernel: bool | None = None,
                 generic: bool = False):
     """The int8 decode alone: prefill + ``tokens`` - 1 steps, argmax; returns (1, T) ids.
-    ``generic``: through ``GPTStepper`` (the modules) instead of ``Int8GPTStepper``."""
+    ``generic``: through ``GPTStepper`` (the modules) instead of the decode engine;
+    ``kernel``: True forces the ``c-layer-int8`` backend, False ``int8-torch``, None the
+    engine's choice."""
+    backend = {True: "c-layer-int8", False: "int8-torch", None: None}[kernel]
 
     def run() -> torch.Tensor:
         with torch.inference_mode():
             stepper = (GPTStepper(model, ids, None, tokens, True) if generic else
-                       Int8GPTStepper(model, ids, None, tokens, kernel=kernel))
+                       decoder_stepper(model, ids, None, ids.shape[1] + tokens,
+                                       backend=backend))
             logits, out = stepper.prefill(), []
             for i in range(tokens):
                 out.append(logits.argmax(dim=-1))
