@@ -230,7 +230,7 @@ def test_beam_reorder_is_exact_on_every_backend(one_thread, pack_small):
     for name in ("torch", "onednn-packed", "modules"):
         real = api.decoder_stepper
 
-        def forced(m, i, k, c, _name=name, _real=real):
+        def forced(m, i, k, c, _name=name, _real=real, **kw):
             return _real(m, i, k, c, backend=_name)
         api.decoder_stepper = forced
         try:

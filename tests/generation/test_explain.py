@@ -119,9 +119,9 @@ def test_at_more_threads_a_one_thread_backend_is_measured_against_the_threaded_o
 
 def test_step_seconds_times_a_real_decode_step():
     from qkv.generation import engine
-    from qkv.generation.backends import backend_named
+    from qkv.generation.engine import named_backend
     from qkv.generation.plan import decode_plan
-    sec = engine.step_seconds(backend_named("torch"), decode_plan(tiny_gpt()), 2)
+    sec = engine.step_seconds(named_backend("torch"), decode_plan(tiny_gpt()), 2)
     assert 0 < sec < 5
 
 

@@ -46,7 +46,7 @@ from .stepper import PlanStepper
 from .steppers import GPTStepper
 from .torch_layer import TorchLayers
 
-__all__ = ["BACKENDS", "Backend", "backend_named"]
+__all__ = ["BACKENDS", "Backend"]
 
 
 class Backend:
@@ -272,11 +272,3 @@ class Modules(Backend):
 BACKENDS: tuple[Backend, ...] = (CLayerInt8(), Int8Kernel(), Int8Torch(), CLayerFP32(),
                                  OneDNNPacked(), Bf16Packed(), Torch(), Modules())
 """Every backend, in the order the engine tries them."""
-
-
-def backend_named(name: str) -> Backend:
-    """The backend called ``name``; ValueError listing the names otherwise."""
-    for b in BACKENDS:
-        if b.name == name:
-            return b
-    raise ValueError(f"unknown decode backend {name!r}; known: {[b.name for b in BACKENDS]}")

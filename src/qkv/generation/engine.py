@@ -29,10 +29,27 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .backends import BACKENDS, Backend, backend_named
+from .backends import BACKENDS, Backend
 from .plan import DecodePlan, Unplannable, decode_plan
+from .static_backend import Compiled, StaticEager
 
-__all__ = ["MEASURE_STEPS", "Choice", "choose", "decoder_stepper", "explain", "step_seconds"]
+__all__ = ["MEASURE_STEPS", "OPT_IN", "Choice", "choose", "decoder_stepper", "explain",
+           "named_backend", "step_seconds"]
+
+OPT_IN: tuple[Backend, ...] = (Compiled(), StaticEager())
+"""Backends that run only when asked by name (``backend="compiled"``): the static-shape step
+under ``torch.compile`` (its first step of each shape compiles for tens of seconds; measured
+against the hand paths in BENCHMARKS.md, which kept them) and the same step eager."""
+
+
+def named_backend(name: str) -> Backend:
+    """The backend called ``name``, of ``BACKENDS`` or ``OPT_IN``; ValueError listing the
+    names otherwise."""
+    for b in (*BACKENDS, *OPT_IN):
+        if b.name == name:
+            return b
+    raise ValueError(f"unknown decode backend {name!r}; known: "
+                     f"{[b.name for b in (*BACKENDS, *OPT_IN)]}")
 
 
 @dataclass(frozen=True)
@@ -124,7 +141,7 @@ def choose(model: nn.Module, rows: int, *, dtype: torch.dtype | None = None,
     device = torch.device(device)
     threads = torch.get_num_threads() if threads is None else threads
     refusals = []
-    candidates = BACKENDS if backend is None else (backend_named(backend),)
+    candidates = BACKENDS if backend is None else (named_backend(backend),)
     for i, b in enumerate(candidates):
         why = b.supports(plan, rows, dtype, device, threads)
         if why is None and multi_token and b.one_token_only:
@@ -192,6 +209,7 @@ def explain(model: nn.Module, *, batch: int = 1, num_beams: int = 1,
                          f"{_ms(choice.measured[b.name])}")
         else:
             lines.append(f"    {b.name}: not tried (an earlier backend runs)")
+    lines.append("  opt-in (backend=...): " + ", ".join(b.name for b in OPT_IN))
     return "\n".join(lines)
 
 
