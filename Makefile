@@ -31,12 +31,14 @@ browser:
 	       "will skip (fail under CI=true)" >&2; \
 	fi
 
+# --no-loadscope-reorder: files start in the order tests/conftest.py's LONG_FIRST gives
+# (longest first), not sorted by their number of tests
 test: $(STAMP) browser
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 test-fast: $(STAMP) browser
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow"
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow"
 
 demo: $(STAMP)
 	$(BIN)/qkv demo

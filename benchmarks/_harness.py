@@ -2,7 +2,8 @@
 
 Times are the median of ``repeat`` runs after one warm-up. Peak memory is measured in a fresh
 subprocess as the peak resident memory during the call above the resident memory before it
-(inputs allocated), with the high-water mark reset first (``peak_growth_mib``).
+(inputs allocated), with the high-water mark reset first (``peak_growth_mib``); in ``--quick``
+mode only a script's first case gets a subprocess of its own (``case_runner``).
 
 Every script prints ``cpu_line()`` in its header: the CPU's model name and vector extensions
 (machines differ between runs, and a figure means little without them).
@@ -10,6 +11,9 @@ Every script prints ``cpu_line()`` in its header: the CPU's model name and vecto
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import json
 import os
 import resource
@@ -110,6 +114,35 @@ def peak_growth_in_subprocess(module: str, case: str, *args: str) -> dict:
     cmd = [sys.executable, "-m", module, "--measure", case, *args]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def peak_growth_in_process(module: str, case: str, *args: str) -> dict:
+    """What ``peak_growth_in_subprocess`` returns, from the same ``--measure`` run made here:
+    ``module``'s ``main(["--measure", case, *args])`` in this process, its JSON line parsed.
+    No interpreter start-up (about 3 CPU-seconds a case: most of a ``--quick`` run), but the
+    peak is not the case's alone (memory an earlier case freed may be reused), so only
+    ``--quick`` runs, whose tiny sizes make no figure worth keeping, use it."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        importlib.import_module(module).main(["--measure", case, *args])
+    return json.loads(buf.getvalue().strip().splitlines()[-1])
+
+
+def case_runner(quick: bool) -> Callable[..., dict]:
+    """How a script with one subprocess per case measures its cases: always
+    ``peak_growth_in_subprocess``, except in ``--quick`` mode, where only the first case asked
+    for starts its own process (the path every full run takes, checked each time) and the
+    rest run the same ``--measure`` code in this one (``peak_growth_in_process``)."""
+    if not quick:
+        return peak_growth_in_subprocess
+    calls = []
+
+    def run(module: str, case: str, *args: str) -> dict:
+        calls.append(case)
+        fn = peak_growth_in_subprocess if len(calls) == 1 else peak_growth_in_process
+        return fn(module, case, *args)
+
+    return run
 
 
 def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:

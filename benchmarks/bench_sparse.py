@@ -6,6 +6,8 @@ B=1, H=8, N=S=16384, D=64, fp32, CPU, forward (inference_mode) and forward+backw
 case runs in its own subprocess (peak MiB = growth of the resident-set high-water mark
 during the call, inputs allocated); the cases run in turn ``--rounds`` times and each figure
 is the median. "live" is the fraction of the N×S (query, key) pairs the pattern allows.
+``--quick`` (tiny sizes, for the test suite): only the first case starts a subprocess, the
+others run the same ``--measure`` code in this process (``_harness.case_runner``).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks._harness import (
+    case_runner,
     median_time,
-    peak_growth_in_subprocess,
     peak_growth_mib,
     print_cpu,
     print_table,
@@ -96,12 +98,16 @@ def main(argv: list[str] | None = None) -> None:
     print_cpu()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, B=1 H=8 N=S={args.n} "
           f"D=64 fp32")
+    if args.quick:
+        print("--quick: the first case runs in a subprocess of its own, the others in this "
+              "process (their peak MiB is not isolated)")
     live = {case: live_fraction(case, args.n) for case in CASES}
+    run_case = case_runner(args.quick)
     for title, train in (("forward (inference_mode)", False), ("forward + backward", True)):
         runs: dict[str, list[dict]] = {case: [] for case in CASES}
         for _ in range(args.rounds):
             for case in CASES:
-                runs[case].append(peak_growth_in_subprocess(
+                runs[case].append(run_case(
                     "benchmarks.bench_sparse", case, "--n", str(args.n),
                     *(["--train"] if train else [])))
         secs = {c: statistics.median(r["seconds"] for r in rs) for c, rs in runs.items()}

@@ -63,6 +63,55 @@ def pytest_configure(config) -> None:
     _WATCHDOG["stderr"] = os.dup(2)
 
 
+# ------------------------------------------------------------------------- scheduling
+
+#: The files that take longest, in the order the xdist workers start them; every other file
+#: comes after them, in the usual order. ``make test`` runs ``-n 2 --dist loadfile
+#: --no-loadscope-reorder``: each file goes whole to the next worker that runs short of work,
+#: in collection order (without the flag xdist first sorts the files by their number of
+#: tests, which put the demos, a few tests of minutes each, among the last: in one run the
+#: Flamingo and LoRA demos' full tests started 70 % and 80 % of the way through, and ended
+#: it on both workers). Longest first leaves the
+#: short files for the end, where they even out the two workers' finishing times. The dates
+#: demo comes first: its full test builds the session's shared ``qkv demo`` run
+#: (tests/shared_runs.py) while the other worker runs the Flamingo demo, so that the LoRA
+#: demo's and the README's slow tests, which read that run, find it built instead of waiting
+#: for it. Figures: one worker's CPU-seconds for the whole file on an idle 2-core machine
+#: (the dates file: the run's 600 training steps and its evaluation).
+LONG_FIRST = (
+    "tests/demos/test_dates_demo.py",  # ~120 s (the shared run)
+    "tests/demos/test_flamingo_demo.py",  # ~265 s
+    "tests/demos/test_clip_demo.py",  # ~225 s
+    "tests/test_benchmarks.py",  # ~135 s
+    "tests/demos/test_lora_demo.py",  # ~105 s (its base: the shared dates run)
+    "tests/train/test_train_fsdp.py",  # ~70 s
+    "tests/train/test_gloo_teardown_stress.py",  # ~45 s
+    "tests/test_readme.py",  # ~35 s (its training block: the shared dates run)
+    "tests/test_suite_guards.py",  # ~30 s
+    "tests/train/test_sharded_checkpoint.py",  # 20-30 s each, down to test_rundir.py
+    "tests/demos/test_coref_demo.py",
+    "tests/train/test_distributed.py",
+    "tests/train/test_shutdown.py",
+    "tests/train/test_sharding.py",
+    "tests/train/test_sigterm.py",
+    "tests/train/test_clip_kind.py",
+    "tests/train/test_rundir.py",
+    "tests/ops/test_chunked.py",  # ~20 s
+    "tests/modules/test_relative.py",
+    "tests/test_cli_inputs_utf8.py",  # ~15 s; every file after this list takes less
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under xdist: the files of ``LONG_FIRST`` first, in its order (a stable sort: every
+    file's tests stay together and in their order). Every worker sorts its collection alike,
+    as xdist requires; a run without xdist keeps the usual order."""
+    if not hasattr(config, "workerinput"):
+        return
+    rank = {path: i for i, path in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
 # --------------------------------------------------------------------------- hangs
 
 #: pytest-timeout (pyproject.toml: ``timeout``) fails a test that runs too long, with its

@@ -3,7 +3,9 @@
 - ```python blocks run as written, in order, in one namespace per README, in a temporary
   working directory. One exception, in the fast test: "Python in ten lines" trains the full
   dates demo (~1.5 min on 2 cores), so it runs there with the demo's ``QUICK_TRAINING``
-  (seconds) in place of ``DEMO_TRAINING``, and as written in a slow test.
+  (seconds) in place of ``DEMO_TRAINING``, and as written in a slow test, where the session's
+  full ``qkv demo`` run (the same training, built once: tests/shared_runs.py) is the run
+  its training line makes.
 - ```bash blocks and the commands in the output blocks, one command at a time (see
   ``_plan``): ``qkv`` commands run in-process through ``qkv.cli.main`` in the temporary
   directory, training ones with few steps (a full run takes minutes; every other argument
@@ -17,9 +19,11 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tokenize
@@ -29,6 +33,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+pytest_plugins = ["shared_runs"]  # full_dates_demo: tests/shared_runs.py
 
 ROOT = Path(__file__).resolve().parents[1]
 READMES = ("README.md", "README.zh-CN.md")
@@ -144,14 +150,51 @@ def test_python_blocks_run_in_order(readme, tmp_path, monkeypatch):
         torch.testing.assert_close(scope["gpt2"](x), hf(x).logits, atol=5e-5, rtol=5e-6)
 
 
+class _SharedRunTrainer:
+    """Stands in for ``qkv.train.Trainer`` in the training block: checks that the block asks
+    for the shared run's training (the same settings, ``run.json``) and ``run()`` copies the
+    files that training wrote (checkpoint/, run.json, metrics.jsonl) into the block's
+    directory; ``made`` records each (config, directory)."""
+
+    def __init__(self, run_dir: Path, made: list) -> None:
+        self.run_dir, self.made = run_dir, made
+
+    def __call__(self, config, out_dir):
+        recorded = json.loads((self.run_dir / "run.json").read_text(encoding="utf-8"))
+        assert json.loads(json.dumps(config.to_dict())) == recorded, (config, recorded)
+        self.made.append((config, Path(out_dir)))
+        return self
+
+    def run(self) -> None:
+        _, out = self.made[-1]
+        shutil.copytree(self.run_dir, out, ignore=shutil.ignore_patterns(*DEMO_FILES))
+
+
+#: what ``qkv demo`` writes beside its Trainer's files (qkv.demos.dates)
+DEMO_FILES = ("demo.json", "cross_attention.png")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # ~1.5 min on 2 idle cores; several times that on one loaded core
-def test_training_block_runs_as_written(tmp_path, monkeypatch, capsys):
-    """README.md's "Python in ten lines" with the full demo training (~1.5 min; the
-    README.zh-CN.md block is the same code, see test_the_translation_has_the_same_blocks)."""
+def test_training_block_runs_as_written(tmp_path, monkeypatch, capsys, full_dates_demo):
+    """README.md's "Python in ten lines" with the full demo training (the README.zh-CN.md
+    block is the same code, see test_the_translation_has_the_same_blocks). Its training line
+    trains the run of the full ``qkv demo`` (the same TrainConfig, compared with that run's
+    run.json here; two such trainings gave bit-identical model.safetensors,
+    tests/demos/test_lora_demo.py::test_the_base_is_the_dates_demo_run), so that run, built
+    once per session (tests/shared_runs.py: test_dates_demo.py checks its bar), stands in for
+    the 1.5-minute training: ``Trainer(...).run()`` puts its files into "runs/dates"; every
+    other line runs as written on them."""
+    import qkv.train
+
     block = next(b for b in BLOCKS["README.md"] if TRAINS in b.code)
+    run = full_dates_demo()
+    made: list = []
+    monkeypatch.setattr(qkv.train, "Trainer", _SharedRunTrainer(run.path, made))
     monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
     exec(compile(block.code, str(block), "exec"), {"__name__": "__readme__"})
+    assert [out for _, out in made] == [Path("runs/dates")]  # one training, where it says
     assert "['1976-07-04']" in capsys.readouterr().out
 
 
