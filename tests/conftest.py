@@ -57,9 +57,13 @@ def dtype_id(dt: torch.dtype) -> str:
 
 def pytest_configure(config) -> None:
     """Under xdist each worker gets one torch thread: two workers with two spinning OpenMP
-    threads each on two cores made small-op tests 20–40× slower on a loaded machine."""
+    threads each on two cores made small-op tests 20–40× slower on a loaded machine. The
+    decode engine does not time its backends against each other (``QKV_DECODE_MEASURE=0``,
+    for this process and the commands tests start): which one runs must not depend on the
+    machine's load; the tests of measuring turn it on themselves."""
     if hasattr(config, "workerinput"):
         torch.set_num_threads(1)
+    os.environ["QKV_DECODE_MEASURE"] = "0"
     _WATCHDOG["stderr"] = os.dup(2)
 
 
@@ -86,6 +90,7 @@ LONG_FIRST = (
     "tests/demos/test_lora_demo.py",  # ~105 s (its base: the shared dates run)
     "tests/train/test_train_fsdp.py",  # ~70 s
     "tests/train/test_gloo_teardown_stress.py",  # ~45 s
+    "tests/generation/test_static_layer.py",  # ~60 s (one torch.compile of the static step)
     "tests/test_readme.py",  # ~35 s (its training block: the shared dates run)
     "tests/test_suite_guards.py",  # ~30 s
     "tests/train/test_sharded_checkpoint.py",  # 20-30 s each, down to test_rundir.py

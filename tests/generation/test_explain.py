@@ -78,15 +78,17 @@ def test_explain_names_the_plan_or_why_there_is_none():
     assert "plan: none: config.attention_window=3" in explain(tiny_gpt(attention_window=3))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("c_faster", [True, False])
-def test_at_more_threads_a_one_thread_backend_is_measured_against_the_threaded_one(
-        c_faster, monkeypatch):
-    """At 2 threads the C layer (one thread) and the torch backend (the threads) are timed
-    against each other and the faster runs; the outcome is remembered (timed once) and
-    ``explain`` shows both figures. At 1 thread, or with ``QKV_DECODE_MEASURE=0``, nothing
-    is timed and the first accepting backend runs."""
+def test_the_accepting_backends_are_measured_against_each_other(c_faster, threads,
+                                                                monkeypatch):
+    """With measuring on, every accepting backend but ``modules`` is timed (here the C layer
+    and torch at one row) and the faster runs, at any thread count; the outcome is
+    remembered (timed once for explain and generate) and ``explain`` shows the figures. With
+    ``QKV_DECODE_MEASURE=0`` nothing is timed and the first accepting backend runs."""
     from qkv.generation import engine
     monkeypatch.setattr(engine, "_MEASURED", {})
+    monkeypatch.setenv("QKV_DECODE_MEASURE", "1")
     timed = []
 
     def fake(backend, plan, rows):
@@ -97,19 +99,18 @@ def test_at_more_threads_a_one_thread_backend_is_measured_against_the_threaded_o
     model = tiny_gpt()
     before = torch.get_num_threads()
     try:
-        torch.set_num_threads(2)
+        torch.set_num_threads(threads)
         if engine.choose(model, 1, measure=False).backend.name != "c-layer-fp32":
             pytest.skip("the C layer kernel does not build here")
         want = "c-layer-fp32" if c_faster else "torch"
         text = explain(model, batch=1)
         assert _marked(text) == want
         assert "2.00 ms/step" in text and ("1.00 ms/step" if c_faster else "3.00 ms/step") in text
+        loser = "torch" if c_faster else "c-layer-fp32"
+        assert f"{loser}" in text and "measured slower here" in text
         assert _ran(monkeypatch, model, torch.randint(3, 48, (1, 4))) == want
         assert sorted(timed) == ["c-layer-fp32", "torch"]  # once, for explain and generate
-        torch.set_num_threads(1)
-        assert engine.choose(model, 1).backend.name == "c-layer-fp32"
         monkeypatch.setenv("QKV_DECODE_MEASURE", "0")
-        torch.set_num_threads(2)
         monkeypatch.setattr(engine, "_MEASURED", {})
         assert engine.choose(model, 1).backend.name == "c-layer-fp32"
         assert sorted(timed) == ["c-layer-fp32", "torch"]

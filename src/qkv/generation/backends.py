@@ -52,8 +52,8 @@ __all__ = ["BACKENDS", "Backend"]
 class Backend:
     """One way to decode: ``name``, ``supports`` (None or the reason it refuses), and
     ``stepper`` (only called when ``supports`` said None). ``one_thread``: the backend runs
-    its layers on one thread whatever torch's thread count (the C layer kernels); at more
-    threads the engine measures it against the first backend that uses them
+    its layers on one thread whatever torch's thread count (the C kernels); the others use
+    torch's threads. Which is faster here is measured, not assumed
     (``qkv.generation.engine.choose``)."""
 
     name = ""

@@ -10,13 +10,15 @@ The model's ``DecodePlan`` is derived once per call (``decode_plan``); a model w
 ``qkv.generation.backends.BACKENDS`` whose ``supports`` accepts (rows, dtype, device,
 threads) builds the stepper.
 
-Thread counts: a backend that runs its layers on one thread (``Backend.one_thread``: the C
-layer kernels) is not assumed faster at more threads. When torch has more than one thread
-and the first accepting backend is such one, the engine measures it against the first
-accepting backend that uses the threads: a few decode steps of each on ``rows`` random
-prompts, the faster median wins. The outcome is remembered for the process per (plan shape,
-rows, threads), so ``explain`` and ``generate`` agree and the measurement is paid once.
-``QKV_DECODE_MEASURE=0`` turns measuring off (the first accepting backend runs).
+Measured, not assumed: which backend is fastest depends on the CPU, the thread count and the
+rows (on the machine of BENCHMARKS.md the one-thread C layer wins at one row and loses to
+the int8 C projections with torch's ops between at 16, and torch's threaded int8 matmuls win
+at two threads). When more than one backend (``modules`` aside) accepts, the engine times a
+few decode steps of each on ``rows`` random prompts (``step_seconds``) and runs the fastest;
+the outcome is remembered for the process per (plan shape, rows, threads), so ``explain`` and
+``generate`` agree and the measurement is paid once (a stepper build and ``MEASURE_STEPS`` + 1
+steps per candidate). ``QKV_DECODE_MEASURE=0`` (or ``measure=False``) turns measuring off:
+the first accepting backend in ``BACKENDS`` order runs.
 """
 
 from __future__ import annotations
@@ -105,11 +107,11 @@ def step_seconds(backend: Backend, plan: DecodePlan, rows: int) -> float:
     return statistics.median(times)
 
 
-def _measure(plan: DecodePlan, rows: int, threads: int, first: Backend, other: Backend
+def _measure(plan: DecodePlan, rows: int, threads: int, backends: list[Backend]
              ) -> dict[str, float]:
-    key = (_shape_key(plan), rows, threads, first.name, other.name)
+    key = (_shape_key(plan), rows, threads, tuple(b.name for b in backends))
     if key not in _MEASURED:
-        _MEASURED[key] = {b.name: step_seconds(b, plan, rows) for b in (first, other)}
+        _MEASURED[key] = {b.name: step_seconds(b, plan, rows) for b in backends}
     return _MEASURED[key]
 
 
@@ -127,11 +129,11 @@ def choose(model: nn.Module, rows: int, *, dtype: torch.dtype | None = None,
     """The backend that decodes ``model`` for ``rows`` rows, with the reasons the earlier ones
     refused. ``dtype``/``device`` default to the model's embedding's, ``threads`` to
     ``torch.get_num_threads()``. ``backend`` forces one by name (ValueError when it refuses,
-    with its reason). ``measure``: at more than one thread, time a one-thread backend
-    against the first that uses the threads (module docstring); None: unless
-    ``QKV_DECODE_MEASURE=0``. ``multi_token``: the caller feeds several tokens per ``run``
-    (prompt lookup, speculative verification): backends that feed one token per call
-    (``Backend.one_token_only``) refuse."""
+    with its reason). ``measure``: time every accepting backend (but ``modules``) against
+    each other and run the fastest (module docstring); False: the first accepting one runs;
+    None: measure unless ``QKV_DECODE_MEASURE=0``. ``multi_token``: the caller feeds several
+    tokens per ``run`` (prompt lookup, speculative verification): backends that feed one
+    token per call (``Backend.one_token_only``) refuse."""
     plan, why_no_plan = _plan(model)
     weight = next((p for p in model.parameters()), None)
     if dtype is None:
@@ -140,32 +142,39 @@ def choose(model: nn.Module, rows: int, *, dtype: torch.dtype | None = None,
         device = plan.device if plan is not None else getattr(weight, "device", "cpu")
     device = torch.device(device)
     threads = torch.get_num_threads() if threads is None else threads
-    refusals = []
-    candidates = BACKENDS if backend is None else (named_backend(backend),)
-    for i, b in enumerate(candidates):
+    refusals: list[tuple[str, str]] = []
+    accepting: list[Backend] = []
+    for b in BACKENDS if backend is None else (named_backend(backend),):
         why = b.supports(plan, rows, dtype, device, threads)
         if why is None and multi_token and b.one_token_only:
             why = "feeds one token per call; several per pass were asked (multi_token)"
         if why is None:
-            if backend is None and b.one_thread and threads > 1 and _measuring(measure):
-                other = next((o for o in candidates[i + 1:] if not o.one_thread and o.name
-                              != "modules" and not (multi_token and o.one_token_only)
-                              and o.supports(plan, rows, dtype, device, threads) is None),
-                             None)
-                if other is not None:
-                    measured = _measure(plan, rows, threads, b, other)
-                    if measured[other.name] < measured[b.name]:
-                        refusals.append((b.name, f"measured slower here: "
-                                         f"{_ms(measured[b.name])} on one thread against "
-                                         f"{other.name}'s {_ms(measured[other.name])} on "
-                                         f"{threads}"))
-                        refusals.extend((o.name, "measured: " + other.name + " is faster")
-                                        for o in candidates[i + 1:candidates.index(other)])
-                        return Choice(other, plan, why_no_plan, tuple(refusals), measured)
-                    return Choice(b, plan, why_no_plan, tuple(refusals), measured)
-            return Choice(b, plan, why_no_plan, tuple(refusals))
-        refusals.append((b.name, why))
-    raise ValueError(f"decode backend {backend!r} cannot decode this model: {refusals[-1][1]}")
+            accepting.append(b)
+            if backend is not None or not _measuring(measure):
+                break  # the first accepting backend runs
+        else:
+            refusals.append((b.name, why))
+    if not accepting:
+        raise ValueError(f"decode backend {backend!r} cannot decode this model: "
+                         f"{refusals[-1][1]}")
+    timed = [b for b in accepting if b.name != "modules"]
+    if len(timed) < 2:
+        return Choice(accepting[0], plan, why_no_plan, _before(refusals, accepting[0]))
+    measured = _measure(plan, rows, threads, timed)
+    best = min(timed, key=lambda b: measured[b.name])
+    for b in timed:
+        if b is not best:
+            refusals.append((b.name, f"measured slower here: {_ms(measured[b.name])} "
+                                     f"against {best.name}'s {_ms(measured[best.name])}"))
+    return Choice(best, plan, why_no_plan, _before(refusals, best), measured)
+
+
+def _before(refusals: list[tuple[str, str]], chosen: Backend) -> tuple[tuple[str, str], ...]:
+    """The refusals in ``BACKENDS`` order (those after the chosen backend included: measured
+    ones)."""
+    order = {b.name: i for i, b in enumerate((*BACKENDS, *OPT_IN))}
+    return tuple(sorted(refusals, key=lambda r: order.get(r[0], len(order))))
+
 
 
 def decoder_stepper(model: nn.Module, ids: Tensor, keep: Tensor | None, capacity: int, *,
@@ -196,19 +205,17 @@ def explain(model: nn.Module, *, batch: int = 1, num_beams: int = 1,
                                _describe(choice.plan)))
     refused = dict(choice.refusals)
     for b in BACKENDS:
+        one = " [runs on one thread]" if b.one_thread else ""
         if b is choice.backend:
             how = ""
             if choice.measured:
                 how = " (measured: " + ", ".join(
                     f"{name} {_ms(sec)}" for name, sec in choice.measured.items()) + ")"
-            lines.append(f"  * {b.name}: runs{how}")
+            lines.append(f"  * {b.name}: runs{how}{one}")
         elif b.name in refused:
-            lines.append(f"    {b.name}: {refused[b.name]}")
-        elif b.name in choice.measured:
-            lines.append(f"    {b.name}: measured slower here: "
-                         f"{_ms(choice.measured[b.name])}")
+            lines.append(f"    {b.name}: {refused[b.name]}{one}")
         else:
-            lines.append(f"    {b.name}: not tried (an earlier backend runs)")
+            lines.append(f"    {b.name}: not tried (an earlier backend runs){one}")
     lines.append("  opt-in (backend=...): " + ", ".join(b.name for b in OPT_IN))
     return "\n".join(lines)
 
