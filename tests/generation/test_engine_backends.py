@@ -18,7 +18,7 @@ import os
 
 import pytest
 import torch
-from _fast_gpt_models import left_padded, tiny_gpt
+from _fast_gpt_models import cases, drive, left_padded, reference_logits, spread_vectors, tiny_gpt
 
 from qkv import quantize
 from qkv.generation import backends as backends_module
@@ -40,15 +40,8 @@ VARIANTS = {
 
 
 def gpt(**kw):
-    """``tiny_gpt(**kw)`` with every vector too (biases, norm weights and biases) moved off
-    its initial value (zeros, ones), so that a backend dropping one is seen."""
-    model = tiny_gpt(**kw)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn(p.shape, generator=g) * 0.3)
-    return model
+    """``tiny_gpt(**kw)`` with every vector moved off its initial value (``spread_vectors``)."""
+    return spread_vectors(tiny_gpt(**kw))
 
 
 @pytest.fixture
@@ -67,32 +60,14 @@ def pack_small(monkeypatch):
 
 
 def _decode(model, ids, keep, backend):
-    """Logits (R, 1 + 3 + 2, V): prefill, three greedy steps, then a run of two tokens, and
-    the tokens fed, through ``backend`` with NaN-filled caches."""
-    with torch.inference_mode():
-        st = decoder_stepper(model, ids, keep, ids.shape[1] + 6, backend=backend)
-        assert st.backend == backend
-        for kc in st.cache:
-            kc.keys.fill_(float("nan"))
-            kc.values.fill_(float("nan"))
-        logits = [st.prefill()]
-        fed = []
-        for _ in range(3):
-            fed.append(logits[-1].argmax(-1))
-            logits.append(st.step(fed[-1]))
-        pair = torch.stack([logits[-1].argmax(-1), fed[0]], dim=1)  # (R, 2)
-        more = st.run(pair)  # (R, 2, V)
-    return torch.cat([torch.stack(logits, 1), more], 1), torch.cat(
-        [torch.stack(fed, 1), pair], 1)
+    """``drive`` a stepper of ``backend`` (forced through the engine): logits (R, 6, V), fed
+    tokens (R, 5)."""
+    st = decoder_stepper(model, ids, keep, ids.shape[1] + 6, backend=backend)
+    assert st.backend == backend
+    return drive(st)
 
 
-def _reference(model, ids, keep, fed):
-    """The uncached forward's logits at the positions ``_decode`` returns."""
-    seq = torch.cat([ids, fed], 1)  # (R, N + 5)
-    mask = None if keep is None else torch.cat(
-        [keep, torch.ones_like(fed, dtype=torch.bool)], 1)
-    with torch.inference_mode():
-        return model(seq, attention_mask=mask)[:, ids.shape[1] - 1:]
+_reference = reference_logits
 
 
 def _kernels() -> bool:
@@ -102,12 +77,7 @@ def _kernels() -> bool:
     return row_step_kernel.load() is not None or os.environ.get("CI") == "true"
 
 
-def _cases(rows: int, padded: bool, vocab: int):
-    ids, keep = left_padded(4, 7)
-    ids = ids % vocab
-    if rows == 1:
-        return ids[-1:], None
-    return ids[:rows], keep[:rows] if padded else None
+_cases = cases
 
 
 def _supported(model, rows):

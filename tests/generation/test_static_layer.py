@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _fast_gpt_models import left_padded, tiny_gpt
+from _fast_gpt_models import cases, drive, reference_logits, spread_vectors, tiny_gpt
 
 from qkv import quantize
 from qkv.generation import static_backend
@@ -36,25 +36,15 @@ VARIANTS = {
 
 
 def gpt(**kw):
-    """``tiny_gpt(**kw)`` with every vector (biases, norm weights) moved off its initial
-    value, so that a step dropping one is seen."""
-    model = tiny_gpt(**kw)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn(p.shape, generator=g) * 0.3)
-        if model.rope is not None and kw.get("num_heads") == 8:
-            model.rope.interleaved = True  # the adjacent-pairs convention too
+    """``tiny_gpt(**kw)`` with every vector moved off its initial value
+    (``spread_vectors``); the 8-head RoPE variant with the adjacent-pairs convention."""
+    model = spread_vectors(tiny_gpt(**kw))
+    if model.rope is not None and kw.get("num_heads") == 8:
+        model.rope.interleaved = True  # the adjacent-pairs convention too
     return model
 
 
-def _cases(rows: int, padded: bool, vocab: int):
-    ids, keep = left_padded(4, 7)
-    ids = ids % vocab
-    if rows == 1:
-        return ids[-1:], None
-    return ids[:rows], keep[:rows] if padded else None
+_cases = cases
 
 
 def _stepper(backend, model, ids, keep, capacity):
@@ -67,28 +57,11 @@ def _stepper(backend, model, ids, keep, capacity):
 
 
 def _decode(model, ids, keep, backend):
-    """Logits (R, 1 + 3 + 2, V): prefill, three greedy steps, then a run of two tokens, and
-    the tokens fed (R, 5)."""
-    with torch.inference_mode():
-        st = _stepper(backend, model, ids, keep, ids.shape[1] + 6)
-        logits = [st.prefill()]
-        fed = []
-        for _ in range(3):
-            fed.append(logits[-1].argmax(-1))
-            logits.append(st.step(fed[-1]))
-        pair = torch.stack([logits[-1].argmax(-1), fed[0]], dim=1)  # (R, 2)
-        more = st.run(pair)  # (R, 2, V)
-    return torch.cat([torch.stack(logits, 1), more], 1), torch.cat(
-        [torch.stack(fed, 1), pair], 1)
+    """``drive`` a stepper of ``backend``: logits (R, 6, V), fed tokens (R, 5)."""
+    return drive(backend.stepper(decode_plan(model), model, ids, keep, ids.shape[1] + 6))
 
 
-def _reference(model, ids, keep, fed):
-    """The uncached forward's logits (R, 1 + T, V) from the prompt's last position on."""
-    seq = torch.cat([ids, fed], 1)  # (R, N + T)
-    mask = None if keep is None else torch.cat(
-        [keep, torch.ones_like(fed, dtype=torch.bool)], 1)
-    with torch.inference_mode():
-        return model(seq, attention_mask=mask)[:, ids.shape[1] - 1:]
+_reference = reference_logits
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
