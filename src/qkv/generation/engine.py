@@ -159,19 +159,19 @@ def choose(model: nn.Module, rows: int, *, dtype: torch.dtype | None = None,
                          f"{refusals[-1][1]}")
     timed = [b for b in accepting if b.name != "modules"]
     if len(timed) < 2:
-        return Choice(accepting[0], plan, why_no_plan, _before(refusals, accepting[0]))
+        return Choice(accepting[0], plan, why_no_plan, _in_order(refusals))
     measured = _measure(plan, rows, threads, timed)
     best = min(timed, key=lambda b: measured[b.name])
     for b in timed:
         if b is not best:
             refusals.append((b.name, f"measured slower here: {_ms(measured[b.name])} "
                                      f"against {best.name}'s {_ms(measured[best.name])}"))
-    return Choice(best, plan, why_no_plan, _before(refusals, best), measured)
+    return Choice(best, plan, why_no_plan, _in_order(refusals), measured)
 
 
-def _before(refusals: list[tuple[str, str]], chosen: Backend) -> tuple[tuple[str, str], ...]:
-    """The refusals in ``BACKENDS`` order (those after the chosen backend included: measured
-    ones)."""
+def _in_order(refusals: list[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+    """The refusals (name, reason) in ``BACKENDS`` order (measured ones after the chosen
+    backend included)."""
     order = {b.name: i for i, b in enumerate((*BACKENDS, *OPT_IN))}
     return tuple(sorted(refusals, key=lambda r: order.get(r[0], len(order))))
 
