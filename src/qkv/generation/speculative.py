@@ -41,10 +41,9 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from ..modules.cache import WindowKVCache
 from .engine import decoder_stepper
 from .search import argmax_rows, filter_logits
-from .steppers import GPTStepper
+from .steppers import GPTStepper, check_truncatable
 
 __all__ = ["Verifier", "acceptance", "residual", "speculative_accept", "speculative_decode",
            "speculative_generate", "verifier_stepper"]
@@ -87,13 +86,10 @@ def _check_rollback(stepper: Verifier, who: str) -> None:
     """TypeError unless the stepper's caches can forget rejected draft tokens."""
     if not isinstance(stepper, GPTStepper):
         return  # a plan stepper writes its KVCache buffers itself; rewind moves its length
-    cache = stepper.cache
-    for c in list(cache) if isinstance(cache, (list, tuple)) else [cache]:
-        if not callable(getattr(c, "truncate", None)) or isinstance(c, WindowKVCache):
-            raise TypeError(f"generate: speculative decoding rolls the {who}'s cache back over "
-                            f"rejected draft tokens, but its caches are {type(c).__name__}s "
-                            f"(a sliding-window ring buffer or a linear-attention state cannot "
-                            f"roll back); decode without draft_model")
+    check_truncatable(stepper.cache, (
+        f"generate: speculative decoding rolls the {who}'s cache back over rejected draft "
+        f"tokens, but its caches are {{kind}}s (a sliding-window ring buffer or a "
+        f"linear-attention state cannot roll back); decode without draft_model"))
 
 
 def acceptance(p_draft: Tensor, q_draft: Tensor) -> Tensor:

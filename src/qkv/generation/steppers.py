@@ -69,17 +69,20 @@ def truncate_cache(cache: Any, length: int) -> None:
         c.truncate(length)
 
 
-def check_truncatable(cache: Any) -> None:
-    """Raise TypeError (naming the cache type) unless every cache in ``cache`` can roll back:
-    a ``truncate`` method, and not a ring buffer (``WindowKVCache``) or a summed state."""
+_NOT_TRUNCATABLE = ("generate: prompt_lookup_num_tokens needs decoding caches that can roll "
+                    "back rejected draft tokens (truncate(length)); this model's caches are "
+                    "{kind}s (a sliding-window ring buffer or a linear-attention state "
+                    "cannot); decode it without prompt_lookup_num_tokens")
+
+
+def check_truncatable(cache: Any, message: str = _NOT_TRUNCATABLE) -> None:
+    """Raise TypeError unless every cache in ``cache`` can roll back: a ``truncate`` method,
+    and not a ring buffer (``WindowKVCache``) or a summed state. ``message`` is the error,
+    ``{kind}`` replaced by the offending cache's type name (default: prompt lookup's)."""
     caches = list(cache) if isinstance(cache, (list, tuple)) else [cache]
     for c in caches:
         if not callable(getattr(c, "truncate", None)) or isinstance(c, WindowKVCache):
-            raise TypeError(f"generate: prompt_lookup_num_tokens needs decoding caches that can "
-                            f"roll back rejected draft tokens (truncate(length)); this model's "
-                            f"caches are {type(c).__name__}s (a sliding-window ring buffer or a "
-                            f"linear-attention state cannot); decode it without "
-                            f"prompt_lookup_num_tokens")
+            raise TypeError(message.format(kind=type(c).__name__))
 
 
 class GPTStepper:
