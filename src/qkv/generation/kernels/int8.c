@@ -56,8 +56,10 @@ static inline __m512i dot_step(__m512i acc, __m512i xv, __m512i wv) {
     return _mm512_dpbusd_epi32(acc, _mm512_abs_epi8(xv), sw);
 }
 
-static void dots_offset(const int8_t *xq0, int64_t m, const int8_t *w, int64_t k, int64_t n0,
-                        int64_t n1, int32_t *out0) {
+/* Output columns n0.. in blocks of four, in the offset form; returns the first column it
+   did not compute (fewer than four remain). */
+static int64_t dots_offset(const int8_t *xq0, int64_t m, const int8_t *w, int64_t k,
+                           int64_t n0, int64_t n1, int32_t *out0) {
     int64_t full = k / 64 * 64;
     __mmask64 tail = k > full ? (~0ULL >> (64 - (k - full))) : 0;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
@@ -105,32 +107,18 @@ static void dots_offset(const int8_t *xq0, int64_t m, const int8_t *w, int64_t k
             out[n + 3] = _mm512_reduce_add_epi32(a3) - s3;
         }
     }
-    for (; n < n1; n++) {  /* the last N % 4 rows: the signed form */
-        const int8_t *w0 = w + n * k;
-        for (int64_t r = 0; r < m; r++) {
-            const int8_t *xq = xq0 + r * k;
-            __m512i a0 = _mm512_setzero_si512();
-            for (int64_t i = 0; i < full; i += 64)
-                a0 = dot_step(a0, _mm512_loadu_si512(xq + i), _mm512_loadu_si512(w0 + i));
-            if (tail)
-                a0 = dot_step(a0, _mm512_maskz_loadu_epi8(tail, xq + full),
-                              _mm512_maskz_loadu_epi8(tail, w0 + full));
-            out0[r * n1 + n] = _mm512_reduce_add_epi32(a0);
-        }
-    }
+    return n;  /* the last N % 4 rows: the signed form (dots) */
 }
 #endif
 
 static void dots(const int8_t *xq0, int64_t m, const int8_t *w, int64_t k, int64_t n0,
                  int64_t n1, int32_t *out0) {
 #ifdef QKV_VNNI
-    if (m >= QKV_OFFSET_MIN_M && k < QKV_OFFSET_MAX_K) {
-        dots_offset(xq0, m, w, k, n0, n1, out0);
-        return;
-    }
+    int64_t n = n0;
+    if (m >= QKV_OFFSET_MIN_M && k < QKV_OFFSET_MAX_K)
+        n = dots_offset(xq0, m, w, k, n0, n1, out0);
     int64_t full = k / 64 * 64;
     __mmask64 tail = k > full ? (~0ULL >> (64 - (k - full))) : 0;
-    int64_t n = n0;
     for (; n + 4 <= n1; n += 4) {
         const int8_t *w0 = w + n * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
         for (int64_t r = 0; r < m; r++) {
