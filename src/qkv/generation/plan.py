@@ -38,7 +38,7 @@ from ..modules.positions import RoPE
 from ..modules.quantized import QuantizedLinear, scale127
 
 __all__ = ["PLAN_DTYPES", "DecodePlan", "LayerPlan", "LinearPlan", "NormPlan", "Unplannable",
-           "decode_plan"]
+           "apply_norm", "decode_plan"]
 
 # GPTConfig fields a plan describes (any value); another field with a non-default value
 # (a variant added later) is refused, so the model decodes on the module path
@@ -67,9 +67,16 @@ class NormPlan:
 
     def __call__(self, x: Tensor) -> Tensor:
         """x (..., C) -> (..., C) in x's dtype (bf16 accumulates in fp32, as the modules)."""
-        if self.kind == "layernorm":
-            return torch.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
-        return torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return apply_norm(x, self.weight, self.bias, self.kind, self.eps)
+
+
+def apply_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str, eps: float
+               ) -> Tensor:
+    """``kind`` "layernorm" or "rmsnorm" of x (..., C) with weight/bias (C,) or None ->
+    (..., C) (RMSNorm has no bias)."""
+    if kind == "layernorm":
+        return torch.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    return torch.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,9 @@ from torch import Tensor
 
 from ..modules.activations import ACTIVATION_TABLE
 from ..modules.cache import KVCache
+from ..modules.positions import rotate_pairs
 from .linears import DenseLinears
-from .plan import DecodePlan
+from .plan import DecodePlan, apply_norm
 
 __all__ = ["COMPILE_MODES", "StaticLayers", "compiled_step", "static_step"]
 
@@ -48,28 +49,9 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 _COMPILED: dict[str, object] = {}  # mode -> the compiled static_step (one per process)
 
 
-def _norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str, eps: float
-          ) -> Tensor:
-    """LayerNorm or RMSNorm of x (R, C) -> (R, C)."""
-    if kind == "layernorm":
-        return torch.layer_norm(x, (x.shape[-1],), weight, bias, eps)
-    return torch.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
 def _linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     """x (M, K) times w (K, N) (+ b (N,)) -> (M, N)."""
     return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
-
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
-    """RoPE of x (R, heads, D) by cos/sin (1|R, 1, D/2) -> (R, heads, D), the pairing of
-    ``qkv.positions.RoPE`` (half-split, or adjacent pairs when ``interleaved``)."""
-    if interleaved:
-        pairs = x.unflatten(-1, (x.shape[-1] // 2, 2))  # (R, heads, D/2, 2)
-        a, b = pairs[..., 0], pairs[..., 1]  # (R, heads, D/2)
-        return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
-    a, b = x.chunk(2, dim=-1)  # (R, heads, D/2) each
-    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)  # (R, heads, D)
 
 
 def static_step(x: Tensor, slot: Tensor, pos: Tensor | None, cos: Tensor | None,
@@ -115,12 +97,12 @@ def static_step(x: Tensor, slot: Tensor, pos: Tensor | None, cos: Tensor | None,
     for i in range(len(keys)):
         w0, w1, w2, w3 = ws[4 * i:4 * i + 4]
         b0, b1, b2, b3 = bs[4 * i:4 * i + 4]
-        proj = _linear(_norm(x, norms[4 * i], norms[4 * i + 1], kind, eps), w0, b0)  # (R, P)
+        proj = _linear(apply_norm(x, norms[4 * i], norms[4 * i + 1], kind, eps), w0, b0)  # (R, P)
         q = proj[:, :qs].view(rows, heads, d)  # (R, H, D)
         k = proj[:, qs:vs].view(rows, hkv, d)  # (R, Hkv, D)
         v = proj[:, vs:].reshape(rows, hkv, 1, d)  # (R, Hkv, 1, D)
         if pos is not None:
-            q, k = _rotate(q, c, s, interleaved), _rotate(k, c, s, interleaved)
+            q, k = rotate_pairs(q, c, s, interleaved), rotate_pairs(k, c, s, interleaved)
         keys[i].index_copy_(2, slot, k.reshape(rows, hkv, 1, d))
         values[i].index_copy_(2, slot, v)
         kt = keys[i].view(rows * hkv, cap, d).transpose(1, 2)  # (R·Hkv, D, cap)
@@ -129,7 +111,7 @@ def static_step(x: Tensor, slot: Tensor, pos: Tensor | None, cos: Tensor | None,
         a = torch.bmm(torch.softmax(scores, dim=-1),
                       values[i].view(rows * hkv, cap, d))  # (R·Hkv, g, D)
         x = _linear(a.reshape(rows, heads * d), w1, b1) + x  # (R, C)
-        y = _linear(_norm(x, norms[4 * i + 2], norms[4 * i + 3], kind, eps), w2, b2)
+        y = _linear(apply_norm(x, norms[4 * i + 2], norms[4 * i + 3], kind, eps), w2, b2)
         if gated:
             gate, up = y.chunk(2, dim=-1)  # (R, F) each
             y = act(gate) * up

@@ -258,6 +258,17 @@ class Learned(nn.Module):
         return x + self.encoding(pos).to(x.dtype)  # (B, N, C)
 
 
+def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """RoPE's rotation of x (..., D) by cos/sin broadcastable to (..., D/2): the pairs
+    (x[i], x[i + D/2]) (half-split), or (x[2i], x[2i+1]) when ``interleaved``; -> (..., D)."""
+    if interleaved:
+        pairs = x.unflatten(-1, (x.shape[-1] // 2, 2))  # (..., D/2, 2)
+        a, b = pairs[..., 0], pairs[..., 1]  # (..., D/2)
+        return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    a, b = x.chunk(2, dim=-1)  # (..., D/2) each
+    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)  # (..., D)
+
+
 class RoPE(nn.Module):
     """Rotary position embedding (Su et al. 2021, RoFormer) for queries and keys.
 
@@ -309,17 +320,7 @@ class RoPE(nn.Module):
         """x (B, H, N, D) with cos/sin (N, D/2) or (B|1, N, D/2) in the compute dtype."""
         if cos.ndim == 3:
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B|1, 1, N, D/2)
-        cdt = cos.dtype
-        xc = x.to(cdt)
-        if self.interleaved:
-            pairs = xc.unflatten(-1, (self.head_dim // 2, 2))  # (B, H, N, D/2, 2)
-            a, b = pairs[..., 0], pairs[..., 1]  # (B, H, N, D/2)
-            out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1)
-            out = out.flatten(-2)  # (B, H, N, D)
-        else:
-            a, b = xc.chunk(2, dim=-1)  # (B, H, N, D/2) each
-            out = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)  # (B, H, N, D)
-        return out.to(x.dtype)
+        return rotate_pairs(x.to(cos.dtype), cos, sin, self.interleaved).to(x.dtype)
 
     def _prepare(
         self, x: Tensor, name: str, positions: Tensor | None, offset: int,
