@@ -89,6 +89,10 @@ def _c_layer_check(plan: DecodePlan) -> str | None:
     from ..modules.activations import ACTIVATION_TABLE
     if ACTIVATION_TABLE[plan.activation].c_code is None:
         return f"the C layer has no {plan.activation}"
+    if plan.norm_kind not in ("layernorm", "rmsnorm"):
+        return f"the C layer has no {plan.norm_kind}"
+    if plan.qk_norm:
+        return "the C layer has no per-head q/k norms (Qwen3)"
     if plan.group > attention_kernel.MAX_GROUP:
         return f"{plan.group} query heads per kv head > the kernel's {attention_kernel.MAX_GROUP}"
     if row_step_kernel.load() is None or attention_kernel.disabled():

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from ..models.gpt import GPT, GPTConfig
 from ..modules.activations import ACTIVATION_TABLE
 from ..modules.attention import MultiHeadAttention
-from ..modules.feedforward import FeedForward, SwiGLU
+from ..modules.feedforward import GATED_ACTIVATIONS, FeedForward, SwiGLU
 from ..modules.layers import EncoderLayer
 from ..modules.linear_call import has_hooks
 from ..modules.norms import LayerNorm, RMSNorm
@@ -44,7 +44,8 @@ __all__ = ["PLAN_DTYPES", "DecodePlan", "LayerPlan", "LinearPlan", "NormPlan", "
 # (a variant added later) is refused, so the model decodes on the module path
 _KNOWN = {"vocab_size", "max_len", "dim", "num_layers", "num_heads", "num_kv_heads",
           "ffn_hidden", "activation", "norm", "norm_eps", "positions", "dropout",
-          "attn_dropout", "bias", "tie_embeddings"}
+          "attn_dropout", "bias", "tie_embeddings", "attention_head_dim", "rope_base",
+          "rope_scaling", "qkv_bias", "out_bias", "ffn_bias", "qk_norm", "embed_scale"}
 
 
 PLAN_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
@@ -57,8 +58,9 @@ class Unplannable(ValueError):
 
 @dataclass(frozen=True)
 class NormPlan:
-    """One norm: ``kind`` "layernorm" ((x - mean)/sqrt(var + eps)·w + b) or "rmsnorm"
-    (x/sqrt(mean(x²) + eps)·w); ``weight`` (C,) or None, ``bias`` (C,) or None."""
+    """One norm: ``kind`` "layernorm" ((x - mean)/sqrt(var + eps)·w + b), "rmsnorm"
+    (x/sqrt(mean(x²) + eps)·w) or "rmsnorm_plus_one" (x/sqrt(mean(x²) + eps)·(1 + w),
+    Gemma); ``weight`` (C,) or None, ``bias`` (C,) or None."""
 
     kind: str
     weight: Tensor | None
@@ -72,10 +74,15 @@ class NormPlan:
 
 def apply_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str, eps: float
                ) -> Tensor:
-    """``kind`` "layernorm" or "rmsnorm" of x (..., C) with weight/bias (C,) or None ->
-    (..., C) (RMSNorm has no bias)."""
+    """``kind`` "layernorm", "rmsnorm" or "rmsnorm_plus_one" (``NormPlan``) of x (..., C)
+    with weight/bias (C,) or None -> (..., C) (RMSNorm has no bias; the plus-one form is
+    computed in at least fp32, as ``qkv.modules.norms.RMSNorm``)."""
     if kind == "layernorm":
         return torch.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    if kind == "rmsnorm_plus_one":
+        compute = torch.promote_types(x.dtype, torch.float32)
+        y = torch.rms_norm(x.to(compute), (x.shape[-1],), None, eps)
+        return (y * (1.0 + weight.to(compute))).to(x.dtype)
     return torch.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
@@ -100,7 +107,8 @@ class LinearPlan:
 @dataclass(frozen=True)
 class LayerPlan:
     """One pre-norm layer: x += out(attn(split(qkv(norm1(x))))); x += ffn_out(act(ffn_in(
-    norm2(x)))) — with ``gated``, ffn_in is 2F wide and act(gate)·up feeds ffn_out."""
+    norm2(x)))) — with ``gated``, ffn_in is 2F wide and act(gate)·up feeds ffn_out;
+    ``q_norm`` / ``k_norm`` (Qwen3's per-head RMSNorms over D, before RoPE) or None."""
 
     norm1: NormPlan
     qkv: LinearPlan
@@ -108,6 +116,8 @@ class LayerPlan:
     norm2: NormPlan
     ffn_in: LinearPlan
     ffn_out: LinearPlan
+    q_norm: NormPlan | None = None
+    k_norm: NormPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +135,9 @@ class DecodePlan:
         embed: (V, C) token embedding.
         pos_table: (max_len, C) learned positions, or None.
         rope: the ``RoPE`` of the attention, or None.
+        embed_scale: the factor of the token embeddings (Gemma's √C rounded to the dtype),
+            or None.
+        qk_norm: the layers norm each query and key head (``LayerPlan.q_norm``).
         norm: the final norm.
         head: the LM head (V, C).
         int8: every projection and the head are int8 (``qkv.quantize``).
@@ -150,6 +163,8 @@ class DecodePlan:
     int8: bool
     dtype: torch.dtype
     device: torch.device
+    embed_scale: float | None = None
+    qk_norm: bool = False
 
     @property
     def group(self) -> int:
@@ -165,8 +180,8 @@ class DecodePlan:
 
 def _norm(m: nn.Module, kind: str, where: str) -> NormPlan:
     want = LayerNorm if kind == "layernorm" else RMSNorm
-    if type(m) is not want:
-        raise Unplannable(f"{where} is a {type(m).__name__}, not the config's {want.__name__}")
+    if type(m) is not want or getattr(m, "unit_offset", False) != (kind == "rmsnorm_plus_one"):
+        raise Unplannable(f"{where} is a {type(m).__name__}, not the config's {kind}")
     return NormPlan(kind, m.weight, getattr(m, "bias", None), float(m.eps))
 
 
@@ -192,16 +207,23 @@ def _layer(layer: nn.Module, i: int, c: GPTConfig, rope: RoPE | None) -> LayerPl
                           f"(the plan computes exact softmax attention: 'auto'/'sdpa')")
     if attn.rope is not rope:
         raise Unplannable(f"{where}'s RoPE is not the model's")
-    want_ffn = SwiGLU if c.activation == "swiglu" else FeedForward
+    want_ffn = SwiGLU if c.activation in GATED_ACTIVATIONS else FeedForward
     if type(ffn) is not want_ffn:
         raise Unplannable(f"{where}'s feed-forward is a {type(ffn).__name__}, not a "
                           f"{want_ffn.__name__}")
+    if getattr(layer, "post_norm1", None) is not None or attn.scale is not None \
+            or attn.softcap is not None:
+        raise Unplannable(f"{where} has post-norms, a logit scale or a soft cap")
+    qk = None if attn.q_norm is None else (
+        _norm(attn.q_norm, "rmsnorm", f"{where}'s q_norm"),
+        _norm(attn.k_norm, "rmsnorm", f"{where}'s k_norm"))
     return LayerPlan(_norm(layer.norm1, c.norm, f"{where}'s norm1"),
                      _linear(attn.in_proj, f"{where}'s in_proj"),
                      _linear(attn.out_proj, f"{where}'s out_proj"),
                      _norm(layer.norm2, c.norm, f"{where}'s norm2"),
                      _linear(ffn.fc_in, f"{where}'s fc_in"),
-                     _linear(ffn.fc_out, f"{where}'s fc_out"))
+                     _linear(ffn.fc_out, f"{where}'s fc_out"),
+                     *(qk or (None, None)))
 
 
 def decode_plan(model: object) -> DecodePlan:
@@ -231,7 +253,7 @@ def decode_plan(model: object) -> DecodePlan:
     if dtype not in PLAN_DTYPES:
         raise Unplannable(f"{dtype} weights (plans decode fp32, fp64 and bf16; int8 via "
                           f"qkv.quantize)")
-    activation = "silu" if c.activation == "swiglu" else c.activation
+    activation = GATED_ACTIVATIONS.get(c.activation, c.activation)
     if activation not in ACTIVATION_TABLE:
         raise Unplannable(f"activation {c.activation!r} is not in the activation table")
     layers = tuple(_layer(layer, i, c, model.rope) for i, layer in enumerate(model.layers))
@@ -244,7 +266,9 @@ def decode_plan(model: object) -> DecodePlan:
     return DecodePlan(
         model=model, layers=layers, heads=c.num_heads, kv_heads=c.num_kv_heads or c.num_heads,
         head_dim=c.head_dim, width=c.dim, ffn=ffn, vocab=c.vocab_size, activation=activation,
-        gated=c.activation == "swiglu", norm_kind=c.norm, embed=model.embed.weight,
+        gated=c.activation in GATED_ACTIVATIONS, norm_kind=c.norm, embed=model.embed.weight,
         pos_table=None if model.positions is None else model.positions.weight,
         rope=model.rope, norm=_norm(model.norm, c.norm, "the final norm"), head=head,
-        int8=kinds == {True}, dtype=dtype, device=model.embed.weight.device)
+        int8=kinds == {True}, dtype=dtype, device=model.embed.weight.device,
+        embed_scale=(torch.tensor(c.dim ** 0.5, dtype=dtype).item() if c.embed_scale
+                     else None), qk_norm=c.qk_norm)

@@ -55,17 +55,18 @@ def prefill_rows(model: GPT, ids: Tensor, keep: Tensor, cache: list[KVCache]) ->
     n = ids.shape[1]
     rows = TokenRows(keep)
     pos = positions_from_mask(keep)  # (R, N)
-    x = model.embed(rows.pack(ids))  # (T, C)
+    x = model.embed_tokens(rows.pack(ids))  # (T, C)
     if model.positions is not None:
         x = x + model.positions.encoding(rows.pack(pos))  # (T, C)
-    mask, causal = model.layer_mask(keep, cache, n)
+    masks = model.layer_masks(keep, cache, n)
     rope_pos = pos if model.rope is not None else None
     bufs: dict[str, Tensor] = {}
     last = keep.sum(dim=1).cumsum(dim=0) - 1  # (R,) each row's last real token in T
     *body, top = model.layers
-    for layer, kc in zip(body, cache, strict=False):
+    for layer, kc, (mask, causal) in zip(body, cache, masks, strict=False):
         x = layer(x, rows=rows, mask=mask, causal=causal, cache=kc, positions=rope_pos,
                   bufs=bufs)  # (T, C)
+    mask, causal = masks[-1]
     x = top(x, rows=rows, at=last, mask=mask, causal=causal, cache=cache[-1],
             positions=rope_pos, bufs=bufs)  # (R, C)
     return model.norm(x)  # (R, C)

@@ -72,6 +72,11 @@ def _static_check(plan, dtype: torch.dtype, device: torch.device) -> str | None:
         return f"activations in {dtype}, the plan's are {plan.dtype}"
     if device != plan.device:
         return f"device {device}, the weights are on {plan.device}"
+    if plan.qk_norm:
+        return "the static step has no per-head q/k norms (Qwen3)"
+    if plan.rope is not None and plan.rope.position_dependent:
+        return ("dynamic RoPE scaling: the angles depend on each call's largest position, "
+                "not a table of the capacity")
     return None
 
 

@@ -84,6 +84,8 @@ class PlanStepper:
         plan = self.plan
         rows, n = tokens.shape
         x = plan.embed.index_select(0, tokens.reshape(-1))  # (R·n, C)
+        if plan.embed_scale is not None:  # Gemma's √C, rounded to the dtype
+            x = x * plan.embed_scale
         steps = torch.arange(t, t + n, device=tokens.device)  # (n,) cache slots
         if self.real is None:  # every row at position = slot
             pos = steps

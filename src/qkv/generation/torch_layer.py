@@ -68,6 +68,8 @@ class TorchLayers:
                     nbh=rows * hkv, hkv=hkv, g=plan.group, s=cap, d=d, bias=bias, bb=cap,
                     scale=self.scale, out=self.attn_out, scratch=self.scratch)
         self.norms = [(lp.norm1, lp.norm2) for lp in plan.layers]
+        self.qk_norms = ([(lp.q_norm, lp.k_norm) for lp in plan.layers] if plan.qk_norm
+                         else None)
         # int8 plans attend one query through SDPA, as the modules do: int8 layers re-quantize
         # every activation, so another fp32 rounding order of attention can move a value
         # across a rounding boundary and the tokens away from the quantized model's own
@@ -95,7 +97,7 @@ class TorchLayers:
         plan, rows = self.plan, self.rows
         hkv, g, d = plan.kv_heads, plan.group, plan.head_dim
         if self.kernel is not None:
-            rotated = plan.rope is not None
+            rotated = plan.rope is not None or plan.qk_norm  # q is then a contiguous copy
             src = q if rotated else proj  # rotated q is contiguous; else q's rows are in proj
             bias = self.bias
             self.kernel(src.data_ptr(), plan.heads * d if rotated else proj.stride(0),
@@ -128,6 +130,10 @@ class TorchLayers:
             q = p[..., :qs].view(rows, n, h_all, d).transpose(1, 2)  # (R, H, n, D)
             k = p[..., qs:vs].view(rows, n, hkv, d).transpose(1, 2)  # (R, Hkv, n, D)
             v = p[..., vs:].view(rows, n, hkv, d).transpose(1, 2)  # (R, Hkv, n, D)
+            if self.qk_norms is not None:  # Qwen3: per head, before RoPE
+                q, k = self.qk_norms[i][0](q), self.qk_norms[i][1](k)
+                if n == 1 and plan.rope is None:
+                    q = q.contiguous()
             if plan.rope is not None:
                 q, k = plan.rope.rotate(q, pos), plan.rope.rotate(k, pos)
                 if n == 1:

@@ -326,18 +326,19 @@ class Flamingo(nn.Module):
                 raise ValueError(f"Flamingo: {past + n} positions (cached {past} + new {n}) "
                                  f"exceed the LM's max_len={lm.config.max_len}")
             pos = torch.arange(past, past + n, device=ids.device)  # (N,)
-        x = lm.embed(ids)  # (B, N, C)
+        x = lm.embed_tokens(ids)  # (B, N, C)
         if lm.positions is not None:
             x = lm.positions(x, pos)  # (B, N, C)
         if lm.drop.p and lm.training:
             x = lm.drop(x)
-        mask, causal = lm.layer_mask(keep, cache, n)
+        masks = lm.layer_masks(keep, cache, n)
         rope_pos = pos if lm.rope is not None else None
         blocks = dict(self.gated.items())  # layer index (str) -> block
         for i, layer in enumerate(lm.layers):
             if str(i) in blocks:
                 x = blocks[str(i)](x, media_kv=media_kv[str(i)], text_time=text_time,
                                    media_mask=media_mask)  # (B, N, C)
+            mask, causal = masks[i]
             x = layer(x, mask=mask, causal=causal, cache=None if cache is None else cache[i],
                       positions=rope_pos)  # (B, N, C)
         return lm.norm(x)  # (B, N, C)
@@ -380,7 +381,7 @@ class Flamingo(nn.Module):
         kvs, text_time, media_mask = self._prepare(input_ids, images, attention_mask)
         h = self.hidden_states(input_ids, media_kv=kvs, text_time=text_time,
                                media_mask=media_mask, attention_mask=attention_mask)
-        return self.lm.lm_head(h)  # (B, N, V)
+        return self.lm.soft_cap(self.lm.lm_head(h))  # (B, N, V)
 
     def loss(self, input_ids: Tensor, images: Tensor | None, targets: Tensor, *,
              attention_mask: Tensor | None = None, ignore_index: int = -100) -> Tensor:

@@ -132,7 +132,7 @@ class FlamingoDecoder(nn.Module):
         h = fl.hidden_states(input_ids, media_kv=kvs, text_time=reads, media_mask=media_mask,
                              attention_mask=attention_mask,
                              cache=None if cache is None else cache.layers)  # (R, N, C)
-        logits = fl.lm.lm_head(h)  # (R, N, V)
+        logits = fl.lm.soft_cap(fl.lm.lm_head(h))  # (R, N, V)
         if cache is not None:
             cache.seen = text_time[:, -1].clone()
         return logits

@@ -41,8 +41,11 @@ from ..ops.masks import Mask, Padding
 from ..ops.sparse_masks import SlidingWindow
 from .config import ModelConfig
 from .gpt_config import GPTConfig
+from .hf_gemma import GEMMA, GEMMA2
 from .hf_gpt2 import GPT2
-from .hf_load import HFMapping, load_hf
+from .hf_llama import LLAMA, MISTRAL, QWEN2, QWEN3
+from .hf_load import HFMapping, load_hf, mapping_for
+from .hf_phi3 import PHI3
 from .hub import PretrainedMixin, load_tokenizer
 from .inputs import check_token_ids
 
@@ -94,6 +97,8 @@ class GPT(PretrainedMixin, nn.Module):
     config_class: ClassVar[type[ModelConfig]] = GPTConfig
     tied_keys: ClassVar[tuple[str, ...]] = ("lm_head.weight",)
     hf_mapping: ClassVar[HFMapping] = GPT2
+    hf_mappings: ClassVar[tuple[HFMapping, ...]] = (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA,
+                                                    GEMMA2, PHI3)
     quantizable: ClassVar[bool] = True
 
     def __init__(self, config: GPTConfig, *, device: torch.device | str | None = None,
@@ -107,15 +112,23 @@ class GPT(PretrainedMixin, nn.Module):
         self.embed = nn.Embedding(c.vocab_size, c.dim, **factory)
         self.positions = Learned(c.max_len, c.dim, **factory) if c.positions == "learned" \
             else None
-        self.rope = RoPE(c.head_dim) if c.positions == "rope" else None
+        rope_kw = {} if c.rope_scaling is None else {"scaling": c.rope_scaling}
+        self.rope = RoPE(c.head_dim, base=c.rope_base, **rope_kw) \
+            if c.positions == "rope" else None
         self.drop = nn.Dropout(c.dropout)
+        qkv_bias, out_bias, ffn_bias = c.biases()
+        attn_options = {"out_bias": out_bias, "qk_norm": c.qk_norm, "qk_norm_eps": c.norm_eps,
+                        "scale": c.attention_scale, "softcap": c.attn_softcap}
+        if c.attention_head_dim is not None:
+            attn_options["head_dim"] = c.attention_head_dim
         self.layers = nn.ModuleList(
             EncoderLayer.build(c.dim, c.num_heads, ffn_hidden=c.ffn_hidden or 4 * c.dim,
                                activation=c.activation, norm=c.norm, norm_eps=c.norm_eps,
                                norm_first=True, dropout=c.dropout, attn_dropout=c.attn_dropout,
                                ffn_dropout=0.0,  # GPT-2's MLP has no inner dropout
-                               bias=c.bias, num_kv_heads=c.num_kv_heads, rope=self.rope,
-                               **factory)
+                               bias=qkv_bias, ffn_bias=ffn_bias, num_kv_heads=c.num_kv_heads,
+                               rope=self.rope, post_norms=c.post_norms,
+                               attn_options=attn_options, **factory)
             for _ in range(c.num_layers))
         if c.attention == "linear":  # the same layer with a linear attention part
             for layer in self.layers:
@@ -142,7 +155,9 @@ class GPT(PretrainedMixin, nn.Module):
                     nn.init.zeros_(mod.bias)
             elif isinstance(mod, (nn.Embedding, Learned)):
                 nn.init.normal_(mod.weight, std=std)
-            elif isinstance(mod, (LayerNorm, RMSNorm)):
+            elif isinstance(mod, RMSNorm):
+                mod.reset_parameters()  # ones, or zeros for Gemma's (1 + w)
+            elif isinstance(mod, LayerNorm):
                 nn.init.ones_(mod.weight)
                 if getattr(mod, "bias", None) is not None:
                     nn.init.zeros_(mod.bias)
@@ -163,36 +178,41 @@ class GPT(PretrainedMixin, nn.Module):
         - softmax attention: ``KVCache``s (B, Hkv, capacity, D);
         - ``attention_window=W``: ``WindowKVCache``s, ring buffers of W - 1 positions —
           ``capacity`` may exceed W (it only bounds the positions accepted; memory stays
-          O(W) per layer);
+          O(W) per layer); with ``windowed_layers``, only those layers' (the others'
+          ``KVCache``s);
         - ``attention="linear"``: ``LinearCache``s, the constant-size fp32 state (B, H, D',
           D) (``capacity`` again only a bound; ``dtype``/``device`` follow the inputs).
         """
         c = self.config
         if c.attention == "linear":
             return [layer.attn.new_cache(batch, capacity) for layer in self.layers]
-        if c.attention_window is not None:
-            w = self.embed.weight
-            return [WindowKVCache(batch, layer.attn.num_kv_heads, c.attention_window,
-                                  layer.attn.head_dim, capacity=capacity,
-                                  dtype=w.dtype if dtype is None else dtype,
-                                  device=w.device if device is None else device)
-                    for layer in self.layers]
-        return [layer.attn.new_cache(batch, capacity, dtype=dtype, device=device)
-                for layer in self.layers]
+        w = self.embed.weight
+        return [WindowKVCache(batch, layer.attn.num_kv_heads, c.attention_window,
+                              layer.attn.head_dim, capacity=capacity,
+                              dtype=w.dtype if dtype is None else dtype,
+                              device=w.device if device is None else device)
+                if c.is_windowed(i) else
+                layer.attn.new_cache(batch, capacity, dtype=dtype, device=device)
+                for i, layer in enumerate(self.layers)]
 
     # --- validation ---------------------------------------------------------------------------
     def _check_cache(self, cache: Any, batch: int) -> int:
         if cache is None:
             return 0
-        window = self.config.attention_window
-        kind = (LinearCache if self.config.attention == "linear"
-                else KVCache if window is None else WindowKVCache)
+        c = self.config
+        window = c.attention_window
+        kinds = [LinearCache if c.attention == "linear"
+                 else WindowKVCache if c.is_windowed(i) else KVCache
+                 for i in range(len(self.layers))]
         if (not isinstance(cache, (list, tuple)) or len(cache) != len(self.layers)
-                or not all(isinstance(c, kind) for c in cache)
-                or (kind is KVCache and any(isinstance(c, WindowKVCache) for c in cache))
-                or (kind is WindowKVCache and any(c.window != window for c in cache))):
+                or not all(isinstance(x, kind) for x, kind in zip(cache, kinds, strict=True))
+                or any(kind is KVCache and isinstance(x, WindowKVCache)
+                       for x, kind in zip(cache, kinds, strict=True))
+                or any(kind is WindowKVCache and x.window != window
+                       for x, kind in zip(cache, kinds, strict=True))):
+            names = sorted({k.__name__ for k in kinds})
             raise TypeError(f"GPT: cache must be the list of {len(self.layers)} "
-                            f"{kind.__name__}s from new_cache(), got {_describe(cache)}")
+                            f"{'/'.join(names)}s from new_cache(), got {_describe(cache)}")
         past = cache[0].length
         if any(c.length != past for c in cache) or cache[0].batch != batch:
             raise ValueError(f"GPT: cache does not fit this call: batch {cache[0].batch} vs "
@@ -216,32 +236,61 @@ class GPT(PretrainedMixin, nn.Module):
                              f"{_shape(attention_mask)}")
         return attention_mask.bool()
 
-    def layer_mask(self, keep: Tensor | None, cache: Any, n: int) -> tuple[Mask | None, bool]:
-        """The ``(mask, causal)`` that ``hidden_states`` hands every layer, for N = ``n`` new
-        tokens: key padding over the S keys the attention sees (the last S of ``keep``;
-        S = ``cache[0].key_length(n)`` with a cache, else N) and, with a window,
-        ``SlidingWindow(W)`` (needed only when some key is outside some query's window).
+    def layer_mask(self, keep: Tensor | None, cache: Any, n: int, layer: int = 0
+                   ) -> tuple[Mask | None, bool]:
+        """The ``(mask, causal)`` that ``hidden_states`` hands layer ``layer``, for N = ``n``
+        new tokens: key padding over the S keys the attention sees (the last S of ``keep``;
+        S = ``cache[layer].key_length(n)`` with a cache, else N) and, when the layer attends
+        in a window, ``SlidingWindow(W)`` (needed only when some key is outside some query's
+        window). ``layer_masks`` gives every layer's.
 
         Args:
             keep: (B, past + N) bool, True = real token (``attention_mask``), or None.
             cache: the per-layer caches (``new_cache``) or None.
             n: N, the number of new tokens.
+            layer: the layer's index.
 
         Returns:
             ``(mask, causal)``: a ``qkv.masks.Padding``, a ``SlidingWindow`` (``& Padding``)
             or None, and whether the layers add ``Causal()``.
         """
-        s = n if cache is None else cache[0].key_length(n)
+        s = n if cache is None else cache[layer].key_length(n)
         if keep is not None:
             keep = keep[:, keep.shape[1] - s:]  # (B, S)
         pad = None if keep is None or bool(keep.all()) else Padding(keep=keep)
-        window = self.config.attention_window
+        window = self.config.attention_window if self.config.is_windowed(layer) else None
         if window is None or s <= window:  # every key within every query's window
             return pad, True
         band = SlidingWindow(window, causal=True)  # causal itself: the sparse band path
         return (band if pad is None else band & pad), False
 
+    def layer_masks(self, keep: Tensor | None, cache: Any, n: int
+                    ) -> list[tuple[Mask | None, bool]]:
+        """``layer_mask`` of every layer (one computed per distinct (windowed, S))."""
+        made: dict[tuple[bool, int], tuple[Mask | None, bool]] = {}
+        out = []
+        for i in range(len(self.layers)):
+            key = (self.config.is_windowed(i), n if cache is None else cache[i].key_length(n))
+            if key not in made:
+                made[key] = self.layer_mask(keep, cache, n, layer=i)
+            out.append(made[key])
+        return out
+
     # --- forward ------------------------------------------------------------------------------
+    def embed_tokens(self, input_ids: Tensor) -> Tensor:
+        """The token embeddings (B, N) -> (B, N, C) (any leading dims): ``embed``, times √C
+        rounded to the weight dtype with ``embed_scale`` (Gemma)."""
+        x = self.embed(input_ids)
+        if self.config.embed_scale:
+            x = x * torch.tensor(self.config.dim ** 0.5, dtype=x.dtype)
+        return x
+
+    def soft_cap(self, logits: Tensor) -> Tensor:
+        """The LM head's logits (..., V) soft-capped by ``logit_softcap`` (cap·tanh(x/cap),
+        Gemma 2), or as they are."""
+        cap = self.config.logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
     def hidden_states(self, input_ids: Tensor, *, attention_mask: Tensor | None = None,
                       position_ids: Tensor | None = None, cache: list[Any] | None = None,
                       output_attentions: bool = False) -> tuple[Tensor, list[Tensor]]:
@@ -269,15 +318,16 @@ class GPT(PretrainedMixin, nn.Module):
                 raise ValueError(f"GPT: {past + n} positions (cached {past} + new {n}) exceed "
                                  f"max_len={self.config.max_len} of the learned positions")
             pos = torch.arange(past, past + n, device=input_ids.device)  # (N,)
-        x = self.embed(input_ids)  # (B, N, C)
+        x = self.embed_tokens(input_ids)  # (B, N, C)
         if self.positions is not None:
             x = self.positions(x, pos)  # (B, N, C); a position >= max_len raises ValueError
         if self.drop.p and self.training:
             x = self.drop(x)
-        mask, causal = self.layer_mask(keep, cache, n)
+        masks = self.layer_masks(keep, cache, n)
         rope_pos = pos if self.rope is not None else None
         attentions: list[Tensor] = []
         for i, layer in enumerate(self.layers):
+            mask, causal = masks[i]
             out = layer(x, mask=mask, causal=causal, need_weights=output_attentions,
                         cache=None if cache is None else cache[i], positions=rope_pos)
             if output_attentions:
@@ -317,7 +367,7 @@ class GPT(PretrainedMixin, nn.Module):
         h, attentions = self.hidden_states(input_ids, attention_mask=attention_mask,
                                            position_ids=position_ids, cache=cache,
                                            output_attentions=output_attentions)
-        logits = apply_linear(self.lm_head, h)  # (B, N, V); oneDNN where it pays
+        logits = self.soft_cap(apply_linear(self.lm_head, h))  # (B, N, V); oneDNN where it pays
         return GPTOutput(logits, tuple(attentions)) if output_attentions else logits
 
     def loss(self, input_ids: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None,
@@ -352,6 +402,11 @@ class GPT(PretrainedMixin, nn.Module):
         if not bool(ok.all()):
             raise ValueError(f"GPT.loss: target {int(t[~ok][0])} is out of range for "
                              f"vocab_size={self.config.vocab_size}")
+        if self.config.logit_softcap is not None:  # the capped logits, then the loss
+            logits = self.soft_cap(apply_linear(self.lm_head, h)).float()
+            return torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), t, ignore_index=ignore_index,
+                label_smoothing=label_smoothing)
         weight = self.lm_head.weight
         # under autocast the hidden states may be bf16/fp16 while the head is fp32: the head
         # runs in its own dtype, its softmax in fp32 (as autocast runs cross-entropy)
@@ -375,4 +430,5 @@ class GPT(PretrainedMixin, nn.Module):
         it does not know loads with a warning. ``kwargs`` (device, dtype) go to the
         constructor (the steps are ``qkv.models.hf_load.load_hf``'s, as for every HF
         architecture)."""
-        return load_hf(cls.hf_mapping, cls, directory, allow_pickle=allow_pickle, **kwargs)
+        return load_hf(mapping_for(cls, directory), cls, directory, allow_pickle=allow_pickle,
+                       **kwargs)

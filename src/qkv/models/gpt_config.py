@@ -8,9 +8,12 @@ Shapes: V vocab size, C model width, H heads, D head dim (C // H), L layers.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, ClassVar
 
-from ..modules.feedforward import ACTIVATIONS
+from ..modules.feedforward import ACTIVATIONS, GATED_ACTIVATIONS
+from ..modules.norms import NORMS
+from ..modules.rope_scaling import RopeScaling
 from .config import ModelConfig, check_norm_eps, check_positive_int_or_none
 
 __all__ = ["GPTConfig"]
@@ -42,6 +45,30 @@ class GPTConfig(ModelConfig):
         feature_map: linear attention's φ: "elu" (elu + 1) or "favor" (FAVOR+).
         num_features: the FAVOR+ feature count m (default round(D·ln D)); "favor" only.
 
+    The variants of the Llama-style families (HF Llama, Mistral, Qwen2/3, Gemma 1/2, Phi-3;
+    each default is GPT-2's behaviour):
+
+        attention_head_dim: D when it is not C // H (Qwen3, Gemma: H·D may differ from C).
+        rope_base: RoPE's θ base (HF ``rope_theta``).
+        rope_scaling: RoPE scaling as ``qkv.modules.rope_scaling.RopeScaling.to_dict()``
+            ("linear", "dynamic", "llama3", "yarn"), or None.
+        qkv_bias, out_bias, ffn_bias: biases of the fused q/k/v projection, the attention
+            output projection and the FFN projections; None = ``bias`` (Qwen2: q/k/v only).
+        qk_norm: an RMSNorm over each head's D dims of the queries and of the keys, after
+            the projection and before RoPE (Qwen3), eps ``norm_eps``.
+        embed_scale: the token embeddings are multiplied by √C rounded to the weight dtype
+            (Gemma).
+        post_norms: a norm on each sublayer's output before its residual add as well
+            (Gemma 2's four norms per layer).
+        attention_scale: the q·k scale; None = 1/√D (Gemma 2: query_pre_attn_scalar^-0.5).
+        attn_softcap: attention logits soft-capped to cap·tanh(logits / cap) (Gemma 2).
+        logit_softcap: the LM head's logits soft-capped alike (Gemma 2).
+        windowed_layers: with ``attention_window``, the indices of the layers that attend
+            in the window (Gemma 2 alternates local and global layers); None = every layer.
+
+    ``activation`` may also be a gated FFN: "swiglu" (SiLU gate), "geglu_tanh" (Gemma's
+    tanh-GELU gate) or "geglu"; ``norm`` also "rmsnorm_plus_one" (Gemma: x/rms(x)·(1 + w)).
+
     Presets: "gpt2" (124M), "gpt2-medium" (355M), "gpt-tiny" (tests), "gpt-small-cpu"
     (6 layers, width 384, the CPU training benchmark).
     """
@@ -65,6 +92,19 @@ class GPTConfig(ModelConfig):
     attention_window: int | None = None
     feature_map: str = "elu"
     num_features: int | None = None
+    attention_head_dim: int | None = None
+    rope_base: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    qkv_bias: bool | None = None
+    out_bias: bool | None = None
+    ffn_bias: bool | None = None
+    qk_norm: bool = False
+    embed_scale: bool = False
+    post_norms: bool = False
+    attention_scale: float | None = None
+    attn_softcap: float | None = None
+    logit_softcap: float | None = None
+    windowed_layers: tuple[int, ...] | None = None
 
     MODEL_TYPE: ClassVar[str] = "qkv-gpt"
     LAYER_KEYS: ClassVar[dict[str, str]] = {"num_layers": r"layers\.(\d+)\."}
@@ -84,7 +124,8 @@ class GPTConfig(ModelConfig):
             val = getattr(self, name)
             if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
                 raise ValueError(f"GPTConfig: {name} must be a positive int, got {val!r}")
-        if self.dim % self.num_heads:
+        check_positive_int_or_none("GPTConfig", "attention_head_dim", self.attention_head_dim)
+        if self.attention_head_dim is None and self.dim % self.num_heads:
             raise ValueError(f"GPTConfig: dim={self.dim} is not divisible by "
                              f"num_heads={self.num_heads}")
         kv = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
@@ -95,24 +136,79 @@ class GPTConfig(ModelConfig):
                                             or self.ffn_hidden <= 0):
             raise ValueError(f"GPTConfig: ffn_hidden must be a positive int or None, "
                              f"got {self.ffn_hidden!r}")
-        if self.activation not in (*ACTIVATIONS, "swiglu"):
+        if self.activation not in (*ACTIVATIONS, *GATED_ACTIVATIONS):
             raise ValueError(f"GPTConfig: activation must be one of "
-                             f"{sorted((*ACTIVATIONS, 'swiglu'))}, got {self.activation!r}")
-        if self.norm not in ("layernorm", "rmsnorm"):
-            raise ValueError(f"GPTConfig: norm must be 'layernorm' or 'rmsnorm', "
+                             f"{sorted((*ACTIVATIONS, *GATED_ACTIVATIONS))}, "
+                             f"got {self.activation!r}")
+        if self.norm not in NORMS:
+            raise ValueError(f"GPTConfig: norm must be one of {list(NORMS)}, "
                              f"got {self.norm!r}")
         if self.positions not in ("learned", "rope"):
             raise ValueError(f"GPTConfig: positions must be 'learned' or 'rope', "
                              f"got {self.positions!r}")
-        if self.positions == "rope" and (self.dim // self.num_heads) % 2:
-            raise ValueError(f"GPTConfig: rope needs an even head dim, got "
-                             f"{self.dim} // {self.num_heads} = {self.dim // self.num_heads}")
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError(f"GPTConfig: rope needs an even head dim, got {self.head_dim}")
         for name in ("dropout", "attn_dropout"):
             val = getattr(self, name)
             if not isinstance(val, (int, float)) or not 0.0 <= val < 1.0:
                 raise ValueError(f"GPTConfig: {name} must be in [0, 1), got {val!r}")
         check_norm_eps("GPTConfig", self.norm_eps)
         self._check_attention()
+        self._check_variants()
+
+    def _check_variants(self) -> None:
+        """The Llama-family fields (see the class docstring)."""
+        base = self.rope_base
+        if isinstance(base, bool) or not isinstance(base, (int, float)) \
+                or not math.isfinite(base) or base <= 1:
+            raise ValueError(f"GPTConfig: rope_base must be a finite number > 1, got {base!r}")
+        if self.rope_scaling is not None:
+            if self.positions != "rope":
+                raise ValueError("GPTConfig: rope_scaling is for positions='rope'")
+            RopeScaling.from_dict(self.rope_scaling)  # ValueError naming what is wrong
+        for name in ("qkv_bias", "out_bias", "ffn_bias"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"GPTConfig: {name} must be a bool or None, "
+                                 f"got {getattr(self, name)!r}")
+        for name in ("qk_norm", "embed_scale", "post_norms"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GPTConfig: {name} must be a bool, "
+                                 f"got {getattr(self, name)!r}")
+        for name in ("attention_scale", "attn_softcap", "logit_softcap"):
+            val = getattr(self, name)
+            if val is not None and (isinstance(val, bool) or not isinstance(val, (int, float))
+                                    or not math.isfinite(val) or val <= 0):
+                raise ValueError(f"GPTConfig: {name} must be a positive finite number or "
+                                 f"None, got {val!r}")
+        if self.attention == "linear" and (self.qk_norm or self.attention_scale is not None
+                                           or self.attn_softcap is not None):
+            raise ValueError("GPTConfig: qk_norm, attention_scale and attn_softcap are for "
+                             "softmax attention")
+        layers = self.windowed_layers
+        if layers is not None:
+            if isinstance(layers, list):
+                layers = tuple(layers)
+                object.__setattr__(self, "windowed_layers", layers)
+            ok = (isinstance(layers, tuple) and all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.num_layers
+                for i in layers) and list(layers) == sorted(set(layers)))
+            if not ok:
+                raise ValueError(f"GPTConfig: windowed_layers must be increasing layer "
+                                 f"indices in [0, {self.num_layers}), got {layers!r}")
+            if self.attention_window is None:
+                raise ValueError("GPTConfig: windowed_layers needs attention_window (the "
+                                 "window those layers attend in)")
+
+    def is_windowed(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends in ``attention_window`` (False without one)."""
+        if self.attention_window is None:
+            return False
+        return self.windowed_layers is None or layer in self.windowed_layers
+
+    def biases(self) -> tuple[bool, bool, bool]:
+        """(q/k/v, attention output, FFN) biases: each field, or ``bias`` where None."""
+        return tuple(self.bias if v is None else v
+                     for v in (self.qkv_bias, self.out_bias, self.ffn_bias))
 
     def _check_attention(self) -> None:
         if self.attention not in ("softmax", "linear"):
@@ -143,5 +239,7 @@ class GPTConfig(ModelConfig):
 
     @property
     def head_dim(self) -> int:
-        """D = C // H."""
+        """D: ``attention_head_dim``, else C // H."""
+        if self.attention_head_dim is not None:
+            return self.attention_head_dim
         return self.dim // self.num_heads

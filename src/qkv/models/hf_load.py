@@ -32,7 +32,7 @@ from ..files import CONFIG_NAME, CheckpointError, read_json
 from .hf_state import KeyMap, map_hf_state
 from .weights import CheckpointWeights, check_against_header, check_and_load, check_layer_counts
 
-__all__ = ["HFMapping", "load_hf", "make_config"]
+__all__ = ["HFMapping", "load_hf", "make_config", "mapping_for", "mappings_of"]
 
 #: (field as config.json names it, its value, a regex whose group 1 is a layer index)
 LayerCount = tuple[str, Any, str]
@@ -82,6 +82,34 @@ class HFMapping:
     state_fields: Callable[[dict[str, Tensor]], dict[str, Any]] | None = None
     map_state: Callable[..., dict[str, Tensor]] = map_hf_state
     size_fields: Callable[[dict[str, Any], str], dict[str, Any]] = _whole
+
+
+def mappings_of(model_class: type) -> tuple[HFMapping, ...]:
+    """The HF mappings a model class reads: its ``hf_mappings``, else its ``hf_mapping``
+    (or none)."""
+    many = tuple(getattr(model_class, "hf_mappings", ()) or ())
+    if many:
+        return many
+    one = getattr(model_class, "hf_mapping", None)
+    return () if one is None else (one,)
+
+
+def mapping_for(model_class: type, directory: str | os.PathLike) -> HFMapping:
+    """The mapping of ``model_class`` that reads the HF directory's config.json
+    ``model_type``.
+
+    Raises:
+        CheckpointError: a ``model_type`` none of its mappings reads, listing those it
+            reads."""
+    directory = Path(directory)
+    model_type = read_json(directory / CONFIG_NAME).get("model_type")
+    readers = mappings_of(model_class)
+    for mapping in readers:
+        if mapping.model_type == model_type:
+            return mapping
+    raise CheckpointError(f"{directory}: config.json model_type {model_type!r}; "
+                          f"{model_class.__name__}.from_hf reads "
+                          f"{', '.join(repr(m.model_type) for m in readers)} checkpoints")
 
 
 def make_config(config_class: type, fields: dict[str, Any], source: str, name: str) -> Any:

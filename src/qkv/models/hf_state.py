@@ -9,17 +9,42 @@ q, k, v.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..files import CheckpointError
 
-__all__ = ["KeyMap", "layer_field", "map_hf_state", "rename_hf_state"]
+__all__ = ["Fused", "KeyMap", "fused_parts", "layer_field", "map_hf_state", "rename_hf_state"]
 
-KeyMap = dict[str, "str | tuple[str, ...]"]
-"""qkv state-dict key -> an HF key, or a tuple of HF keys concatenated along dim 0."""
+
+class Fused(NamedTuple):
+    """HF tensors concatenated along dim 0 into one qkv tensor, with unequal row counts
+    (grouped-query q, k, v: H·D, Hkv·D, Hkv·D rows; a plain tuple of names splits equally).
+
+    Attributes:
+        names: the HF keys, in row order.
+        rows: each one's number of rows (dim 0).
+    """
+
+    names: tuple[str, ...]
+    rows: tuple[int, ...]
+
+
+KeyMap = dict[str, "str | tuple[str, ...] | Fused"]
+"""qkv state-dict key -> an HF key, a tuple of HF keys concatenated along dim 0 in equal
+parts, or a ``Fused`` (concatenated, with each part's row count)."""
+
+
+def fused_parts(value: str | tuple[str, ...] | Fused, shape: tuple[int, ...]
+                ) -> list[tuple[str, tuple[int, ...]]]:
+    """The (HF key, its shape) parts of one key-map value for a qkv tensor of ``shape``:
+    one key -> the whole shape; a tuple -> equal row blocks; a ``Fused`` -> its rows."""
+    if isinstance(value, Fused):
+        return [(n, (r, *shape[1:])) for n, r in zip(value.names, value.rows, strict=True)]
+    names = value if isinstance(value, tuple) else (value,)
+    return [(n, (shape[0] // len(names), *shape[1:])) for n in names]
 
 
 def layer_field(data: dict[str, Any], *names: str) -> str:
@@ -48,15 +73,14 @@ def map_hf_state(own: dict[str, Tensor], key_map: KeyMap, state: dict[str, Tenso
     pairs: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     dtypes: list[str] = []
     for key, hf in key_map.items():
-        names = hf if isinstance(hf, tuple) else (hf,)
-        want = own[key].shape
-        part = (want[0] // len(names), *want[1:])  # q/k/v each (C, ...) of (3C, ...)
+        parts = dict(fused_parts(hf, tuple(own[key].shape)))  # q/k/v each a row block
+        names = tuple(parts)
         absent = [n for n in names if n not in state]
         missing.extend(absent)
-        wrong = [n for n in names if n in state and tuple(state[n].shape) != tuple(part)]
-        shapes.extend(f"{n}: checkpoint {tuple(state[n].shape)} vs expected {tuple(part)}"
+        wrong = [n for n in names if n in state and tuple(state[n].shape) != parts[n]]
+        shapes.extend(f"{n}: checkpoint {tuple(state[n].shape)} vs expected {parts[n]}"
                       for n in wrong)
-        pairs.extend((tuple(state[n].shape), tuple(part)) for n in wrong)
+        pairs.extend((tuple(state[n].shape), parts[n]) for n in wrong)
         ints = [n for n in names if n in state and own[key].is_floating_point()
                 and not state[n].is_floating_point()]
         dtypes.extend(f"{n}: {state[n].dtype}" for n in ints)
@@ -94,7 +118,7 @@ def rename_hf_state(own: dict[str, Tensor] | None, key_map: KeyMap, state: dict[
     out: dict[str, Tensor] = {}
     used: set[str] = set()
     for key, hf in key_map.items():
-        names = hf if isinstance(hf, tuple) else (hf,)
+        names = hf.names if isinstance(hf, Fused) else hf if isinstance(hf, tuple) else (hf,)
         if all(n in state for n in names):
             parts = [state[n] for n in names]
             out[key] = parts[0] if len(parts) == 1 else torch.cat(parts)  # rows q, k, v

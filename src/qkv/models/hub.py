@@ -53,7 +53,8 @@ class PretrainedMixin:
     Subclasses set ``config_class`` and may set ``tied_keys``: state-dict keys that are
     views of another parameter (a tied output embedding), not written to disk;
     ``hf_mapping``: the ``qkv.models.hf_load.HFMapping`` their ``from_hf`` reads (None: no
-    HuggingFace architecture); ``quantizable``: ``qkv.quantize`` handles them;
+    HuggingFace architecture), or ``hf_mappings``: several (a ``GPT`` reads GPT-2 and the
+    Llama-style families; ``hf_mapping`` is then the first); ``quantizable``: ``qkv.quantize`` handles them;
     ``tied_heads``: head attribute -> the module whose weight is its decoder (quantized as
     one head, ``qkv.models.quantized``).
     """
@@ -61,6 +62,7 @@ class PretrainedMixin:
     config_class: ClassVar[type[ModelConfig]]
     tied_keys: ClassVar[tuple[str, ...]] = ()
     hf_mapping: ClassVar[Any] = None
+    hf_mappings: ClassVar[tuple[Any, ...]] = ()
     quantizable: ClassVar[bool] = False
     tied_heads: ClassVar[dict[str, str]] = {}
 

@@ -32,7 +32,7 @@ from .clip import CLIP, CLIPConfig
 from .flamingo import CONFIG_NAME as FLAMINGO_CONFIG_NAME
 from .flamingo import Flamingo, FlamingoConfig
 from .gpt import GPT, GPTConfig
-from .hf_load import load_hf
+from .hf_load import load_hf, mapping_for, mappings_of
 from .loading import load_qkv_directory, place
 from .quantized import is_quantizable
 from .transformer import Transformer, TransformerConfig
@@ -78,8 +78,7 @@ class ModelEntry:
         if getattr(self.config_class, "MODEL_TYPE", None) != self.model_type:
             raise ValueError(f"ModelEntry {self.model_type!r}: {self.config_class.__name__}"
                              f".MODEL_TYPE is {getattr(self.config_class, 'MODEL_TYPE', None)!r}")
-        mapping = getattr(self.model_class, "hf_mapping", None)
-        reads = () if mapping is None else (mapping.model_type,)
+        reads = tuple(m.model_type for m in mappings_of(self.model_class))
         if tuple(self.hf_model_types) != reads:
             raise ValueError(f"ModelEntry {self.model_type!r}: hf_model_types "
                              f"{self.hf_model_types!r}, but {name}.hf_mapping reads {reads!r}")
@@ -90,7 +89,8 @@ class ModelEntry:
 
 ENTRIES: tuple[ModelEntry, ...] = (
     ModelEntry("qkv-transformer", TransformerConfig, Transformer, quantizable=True),
-    ModelEntry("qkv-gpt", GPTConfig, GPT, ("gpt2",), quantizable=True),
+    ModelEntry("qkv-gpt", GPTConfig, GPT, ("gpt2", "llama", "mistral", "qwen2", "qwen3",
+                                           "gemma", "gemma2", "phi3"), quantizable=True),
     ModelEntry("qkv-bert", BERTConfig, BERT, ("bert",), quantizable=True),
     ModelEntry("qkv-vit", ViTConfig, ViT, ("vit",)),
     ModelEntry("qkv-clip", CLIPConfig, CLIP, ("clip",)),
@@ -255,7 +255,7 @@ def from_pretrained(directory: str | os.PathLike, *, device: torch.device | str 
                       architectures=data.get("architectures"))
     kwargs = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
     if model_type in entry.hf_model_types:
-        return load_hf(entry.model_class.hf_mapping, entry.model_class, path,
+        return load_hf(mapping_for(entry.model_class, path), entry.model_class, path,
                        allow_pickle=allow_pickle, **kwargs)
     if entry.config_name != CONFIG_NAME:
         raise CheckpointError(f"{path / CONFIG_NAME}: model_type {model_type!r} is saved as "
@@ -297,4 +297,4 @@ def from_hf(directory: str | os.PathLike, *, allow_pickle: bool = False) -> nn.M
         raise CheckpointError(f"{directory}: model_type {model_type!r}{arch} is not supported; "
                               f"supported: {known_hf_model_types()}")
     cls = entry_for(model_type).model_class
-    return load_hf(cls.hf_mapping, cls, directory, allow_pickle=allow_pickle)
+    return load_hf(mapping_for(cls, directory), cls, directory, allow_pickle=allow_pickle)

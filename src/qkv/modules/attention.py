@@ -27,6 +27,7 @@ from ..ops.fast_linear import fast_linear
 from ..ops.masks import Mask
 from .cache import KVCache
 from .linear_call import apply_linear, is_plain_linear
+from .norms import RMSNorm
 from .token_rows import TokenRows, chosen_queries
 
 __all__ = ["MultiHeadAttention", "project_rows"]
@@ -70,6 +71,16 @@ class MultiHeadAttention(nn.Module):
             otherwise one fused ``in_proj`` (C -> (H + 2·Hkv)·D, rows ordered q, k, v) serves
             both (cross-attention uses its row blocks).
         bias: add biases to the input and output projections.
+        head_dim: D, when it is not dim // num_heads (then ``dim % num_heads`` may be
+            non-zero and H·D may differ from C: Qwen3, Gemma).
+        out_bias: the output projection's bias (default: ``bias``; Qwen2 has q/k/v biases
+            and none on the output).
+        qk_norm: an RMSNorm over the D dims of every query and key head after the
+            projection and before RoPE (Qwen3), as ``q_norm`` / ``k_norm`` (weight (D,)),
+            with eps ``qk_norm_eps``.
+        scale: the logit scale, default 1/√D (Gemma 2: query_pre_attn_scalar^-0.5).
+        softcap: attention logits soft-capped to softcap·tanh(logits / softcap) before the
+            mask (Gemma 2); None = none.
         dropout: dropout probability on the attention weights, applied in training mode only.
         backend: ``qkv.attention`` backend: "auto", "sdpa", "chunked" or "reference".
         rope: optional rotary position module with ``rotate(x, positions)`` for x
@@ -92,7 +103,10 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, dim: int, num_heads: int, *, num_kv_heads: int | None = None,
                  kv_dim: int | None = None, bias: bool = True, dropout: float = 0.0,
-                 backend: str = "auto", rope: Any = None,
+                 backend: str = "auto", rope: Any = None, head_dim: int | None = None,
+                 out_bias: bool | None = None, qk_norm: bool = False,
+                 qk_norm_eps: float = 1e-6, scale: float | None = None,
+                 softcap: float | None = None,
                  device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -103,9 +117,18 @@ class MultiHeadAttention(nn.Module):
             if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
                 raise ValueError(f"MultiHeadAttention: {name} must be a positive int, "
                                  f"got {val!r}")
-        if dim % num_heads != 0:
+        if head_dim is not None and (not isinstance(head_dim, int) or isinstance(head_dim, bool)
+                                     or head_dim <= 0):
+            raise ValueError(f"MultiHeadAttention: head_dim must be a positive int or None, "
+                             f"got {head_dim!r}")
+        if head_dim is None and dim % num_heads != 0:
             raise ValueError(f"MultiHeadAttention: dim={dim} is not divisible by "
                              f"num_heads={num_heads} (head dim D = dim // num_heads)")
+        for name, val in (("scale", scale), ("softcap", softcap)):
+            if val is not None and (isinstance(val, bool) or not isinstance(val, (int, float))
+                                    or not val > 0 or val == float("inf")):
+                raise ValueError(f"MultiHeadAttention: {name} must be a positive finite "
+                                 f"number or None, got {val!r}")
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"MultiHeadAttention: num_heads={num_heads} must be a multiple "
                              f"of num_kv_heads={num_kv_heads}")
@@ -114,7 +137,7 @@ class MultiHeadAttention(nn.Module):
         if backend not in ("auto", *BACKENDS):
             raise ValueError(f"MultiHeadAttention: backend must be one of "
                              f"{('auto', *BACKENDS)}, got {backend!r}")
-        head_dim = dim // num_heads
+        head_dim = dim // num_heads if head_dim is None else head_dim
         if rope is not None:
             if not callable(getattr(rope, "rotate", None)):
                 raise TypeError(f"MultiHeadAttention: rope must have a rotate(x, positions) "
@@ -122,7 +145,7 @@ class MultiHeadAttention(nn.Module):
             rope_dim = getattr(rope, "head_dim", head_dim)
             if rope_dim != head_dim:
                 raise ValueError(f"MultiHeadAttention: rope is built for head_dim={rope_dim}, "
-                                 f"this module has D = {dim} // {num_heads} = {head_dim}")
+                                 f"this module has D = {head_dim}")
         self.dim = dim
         self.kv_dim = kv_dim
         self.num_heads = num_heads
@@ -132,6 +155,8 @@ class MultiHeadAttention(nn.Module):
         self.dropout = float(dropout)
         self.backend = backend
         self.rope = rope
+        self.scale = None if scale is None else float(scale)
+        self.softcap = None if softcap is None else float(softcap)
         q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
         self._splits = (q_width, kv_width, kv_width)
         factory = {"device": device, "dtype": dtype}
@@ -142,7 +167,13 @@ class MultiHeadAttention(nn.Module):
             self.in_proj = None
             self.q_proj = nn.Linear(dim, q_width, bias=bias, **factory)
             self.kv_proj = nn.Linear(kv_dim, 2 * kv_width, bias=bias, **factory)
-        self.out_proj = nn.Linear(q_width, dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(q_width, dim, bias=bias if out_bias is None else out_bias,
+                                  **factory)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps=qk_norm_eps, **factory)
+            self.k_norm = RMSNorm(head_dim, eps=qk_norm_eps, **factory)
+        else:
+            self.q_norm = self.k_norm = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -156,6 +187,9 @@ class MultiHeadAttention(nn.Module):
         self.out_proj.reset_parameters()
         if self.out_proj.bias is not None:
             nn.init.zeros_(self.out_proj.bias)
+        for norm in (getattr(self, "q_norm", None), getattr(self, "k_norm", None)):
+            if norm is not None:
+                norm.reset_parameters()
 
     # --- projections ------------------------------------------------------------------------
     def _check_input(self, name: str, t: Any, width: int) -> None:
@@ -176,7 +210,8 @@ class MultiHeadAttention(nn.Module):
             q = apply_linear(self.q_proj, x)  # (B, N, H·D)
         else:
             q = project_rows(self.in_proj, x, 0, self._splits[0])  # (B, N, H·D)
-        return self._heads(q, self.num_heads)  # (B, H, N, D)
+        q = self._heads(q, self.num_heads)  # (B, H, N, D)
+        return q if self.q_norm is None else self.q_norm(q)
 
     def project_kv(self, context: Tensor) -> tuple[Tensor, Tensor]:
         """Cross-attention keys and values of ``context``, to compute once and reuse.
@@ -197,7 +232,8 @@ class MultiHeadAttention(nn.Module):
             kv = project_rows(self.in_proj, context, self._splits[0],
                               sum(self._splits))  # (B, S, 2·Hkv·D)
         k, v = kv.split(self._splits[1:], dim=-1)  # (B, S, Hkv·D) each
-        return self._heads(k, self.num_kv_heads), self._heads(v, self.num_kv_heads)
+        k = self._heads(k, self.num_kv_heads)
+        return (k if self.k_norm is None else self.k_norm(k)), self._heads(v, self.num_kv_heads)
 
     def _positions(self, positions: Tensor | None, start: int, batch: int, n: int,
                    device: torch.device) -> Tensor:
@@ -332,6 +368,8 @@ class MultiHeadAttention(nn.Module):
             q = self._heads(q if q_at is None else q_at, self.num_heads)  # (B, H, N|1, D)
             k = self._heads(k, self.num_kv_heads)  # (B, Hkv, N, D)
             v = self._heads(v, self.num_kv_heads)  # (B, Hkv, N, D)
+            if self.q_norm is not None:  # per head, before RoPE (Qwen3)
+                q, k = self.q_norm(q), self.k_norm(k)
             if self.rope is not None:
                 start = 0 if cache is None else cache.length
                 pos = self._positions(positions, start, batch, n, x.device)
@@ -349,8 +387,9 @@ class MultiHeadAttention(nn.Module):
             mask, bias = chosen_queries(mask, causal, bias, cols, self.num_heads, n,
                                         k.shape[2])
             causal = False
-        out = attention(q, k, v, mask=mask, bias=bias, causal=causal,
-                        dropout_p=self.dropout if self.training else 0.0,
+        extra = {} if self.softcap is None else {"softcap": self.softcap}
+        out = attention(q, k, v, mask=mask, bias=bias, causal=causal, scale=self.scale,
+                        **extra, dropout_p=self.dropout if self.training else 0.0,
                         return_weights=need_weights, backend=self.backend)
         weights = None
         if need_weights:
@@ -469,6 +508,14 @@ class MultiHeadAttention(nn.Module):
         if self.rope is not None:
             raise ValueError("MultiHeadAttention.to_torch: a module with rope= has no "
                              "torch.nn.MultiheadAttention equivalent")
+        extras = [name for name, on in (
+            ("head_dim != dim // num_heads", self.head_dim * self.num_heads != self.dim),
+            ("qk_norm", self.q_norm is not None), ("scale", self.scale is not None),
+            ("softcap", self.softcap is not None),
+            ("out_bias != bias", (self.out_proj.bias is not None) != self.has_bias)) if on]
+        if extras:
+            raise ValueError(f"MultiHeadAttention.to_torch: torch.nn.MultiheadAttention "
+                             f"cannot express {', '.join(extras)}")
         wq, wk, wv, (bq, bk, bv) = self._split_weights()  # refuses an unmerged LoRA first
         w_out = self.out_proj.weight
         m = nn.MultiheadAttention(self.dim, self.num_heads, dropout=self.dropout,

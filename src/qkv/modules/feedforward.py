@@ -13,12 +13,14 @@ from ..ops.fast_linear import fast_linear
 from .activations import ACTIVATION_TABLE, QUICK_GELU_ALPHA, QuickGELU, quick_gelu, quick_gelu_
 from .linear_call import apply_linear, is_plain_linear
 
-__all__ = ["ACTIVATIONS", "FeedForward", "QuickGELU", "SwiGLU", "quick_gelu", "quick_gelu_"]
+__all__ = ["ACTIVATIONS", "GATED_ACTIVATIONS", "FeedForward", "QuickGELU", "SwiGLU", "quick_gelu", "quick_gelu_"]
 
 # the one activation table (``qkv.modules.activations``), as name -> function
 ACTIVATIONS = {name: a.fn for name, a in ACTIVATION_TABLE.items()}
 _INPLACE_ACTIVATIONS = {name: a.inplace for name, a in ACTIVATION_TABLE.items()}
 _FOLD_DTYPES = (torch.float32, torch.float64)
+#: the gated FFNs by config name -> the activation of their gate (``SwiGLU(activation=)``)
+GATED_ACTIVATIONS = {"swiglu": "silu", "geglu_tanh": "gelu_tanh", "geglu": "gelu"}
 
 
 class FeedForward(nn.Module):
@@ -75,11 +77,20 @@ class FeedForward(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """Gated FFN (Shazeer 2020): Linear(F -> C)(silu(x W_gate) ∘ x W_up), one fused C -> 2F."""
+    """Gated FFN (Shazeer 2020): Linear(F -> C)(act(x W_gate) ∘ x W_up), one fused C -> 2F
+    (output rows [gate (F); up (F)]).
+
+    ``activation``: the gate's, one of ``ACTIVATIONS``: "silu" (SwiGLU, Llama), "gelu_tanh"
+    (GeGLU as Gemma computes it), "gelu"...
+    """
 
     def __init__(self, dim: int, hidden: int, *, bias: bool = False, dropout: float = 0.0,
-                 device=None, dtype=None) -> None:
+                 activation: str = "silu", device=None, dtype=None) -> None:
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"SwiGLU: activation must be one of {sorted(ACTIVATIONS)}, "
+                             f"got {activation!r}")
+        self.activation = activation
         self.fc_in = nn.Linear(dim, 2 * hidden, bias=bias, device=device, dtype=dtype)
         self.fc_out = nn.Linear(hidden, dim, bias=bias, device=device, dtype=dtype)
         self.dropout = nn.Dropout(dropout)
@@ -87,4 +98,5 @@ class SwiGLU(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x (B, N, C) -> (B, N, C)."""
         gate, up = apply_linear(self.fc_in, x).chunk(2, dim=-1)  # (B, N, F) each
-        return apply_linear(self.fc_out, self.dropout(F.silu(gate) * up))
+        act = F.silu if self.activation == "silu" else ACTIVATIONS[self.activation]
+        return apply_linear(self.fc_out, self.dropout(act(gate) * up))

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from .attention import MultiHeadAttention
 from .cache import KVCache
-from .feedforward import FeedForward, SwiGLU
+from .feedforward import GATED_ACTIVATIONS, FeedForward, SwiGLU
 from .linear_call import has_hooks
 from .norms import make_norm
 from .token_rows import TokenRows
@@ -35,8 +35,9 @@ __all__ = ["DecoderLayer", "EncoderLayer", "TokenRows"]
 
 
 def _build_ffn(dim: int, hidden: int, activation: str, bias: bool, dropout: float, factory):
-    if activation == "swiglu":
-        return SwiGLU(dim, hidden, bias=bias, dropout=dropout, **factory)
+    if activation in GATED_ACTIVATIONS:
+        return SwiGLU(dim, hidden, bias=bias, dropout=dropout,
+                      activation=GATED_ACTIVATIONS[activation], **factory)
     return FeedForward(dim, hidden, activation=activation, bias=bias, dropout=dropout,
                        **factory)
 
@@ -50,34 +51,53 @@ class EncoderLayer(nn.Module):
         norm1, norm2: norms around attention and FFN.
         norm_first: pre-norm (True) or post-norm (False, Vaswani et al.).
         dropout: residual dropout after each sublayer.
+        post_norm1, post_norm2: pre-norm only: norms on the attention's and the FFN's output
+            before each residual add (Gemma 2's "sandwich" layer:
+            x = x + post_norm1(attn(norm1(x))); x = x + post_norm2(ffn(norm2(x)))), or None.
     """
 
     def __init__(self, attn: MultiHeadAttention, ffn: nn.Module, norm1: nn.Module,
-                 norm2: nn.Module, *, norm_first: bool = False, dropout: float = 0.0) -> None:
+                 norm2: nn.Module, *, norm_first: bool = False, dropout: float = 0.0,
+                 post_norm1: nn.Module | None = None,
+                 post_norm2: nn.Module | None = None) -> None:
         super().__init__()
         self.attn, self.ffn, self.norm1, self.norm2 = attn, ffn, norm1, norm2
         self.norm_first = norm_first
         self.dropout = nn.Dropout(dropout)
+        if (post_norm1 is None) != (post_norm2 is None) or (post_norm1 is not None
+                                                            and not norm_first):
+            raise ValueError("EncoderLayer: post_norm1 and post_norm2 come together, on a "
+                             "pre-norm layer (norm_first=True)")
+        self.post_norm1, self.post_norm2 = post_norm1, post_norm2
 
     @classmethod
     def build(cls, dim: int, num_heads: int, *, ffn_hidden: int | None = None,
               activation: str = "relu", norm: str = "layernorm", norm_eps: float | None = None,
               norm_first: bool = False, dropout: float = 0.0, attn_dropout: float = 0.0,
               ffn_dropout: float | None = None, bias: bool = True,
-              num_kv_heads: int | None = None, rope=None, device=None,
+              num_kv_heads: int | None = None, rope=None, ffn_bias: bool | None = None,
+              post_norms: bool = False, attn_options: dict | None = None, device=None,
               dtype=None) -> EncoderLayer:
-        """The common layer: ``activation`` in FeedForward's list or "swiglu";
-        ``ffn_hidden`` defaults to 4·dim. ``dropout`` is the residual dropout;
-        ``ffn_dropout`` (default: ``dropout``, as torch's Transformer layers) the dropout
-        after the FFN activation — GPT-2 and BERT have none (0.0)."""
+        """The common layer: ``activation`` in FeedForward's list or a gated one
+        (``GATED_ACTIVATIONS``: "swiglu", "geglu_tanh"...); ``ffn_hidden`` defaults to
+        4·dim. ``dropout`` is the residual dropout; ``ffn_dropout`` (default: ``dropout``,
+        as torch's Transformer layers) the dropout after the FFN activation — GPT-2 and BERT
+        have none (0.0). ``bias`` is every projection's unless ``ffn_bias`` (the FFN's) or
+        ``attn_options`` (more ``MultiHeadAttention`` arguments: ``head_dim``, ``out_bias``,
+        ``qk_norm``, ``scale``, ``softcap``) say otherwise; ``post_norms`` adds
+        ``post_norm1``/``post_norm2`` (pre-norm only)."""
         factory = {"device": device, "dtype": dtype}
         attn = MultiHeadAttention(dim, num_heads, num_kv_heads=num_kv_heads, bias=bias,
-                                  dropout=attn_dropout, rope=rope, **factory)
-        ffn = _build_ffn(dim, ffn_hidden or 4 * dim, activation, bias,
+                                  dropout=attn_dropout, rope=rope, **(attn_options or {}),
+                                  **factory)
+        ffn = _build_ffn(dim, ffn_hidden or 4 * dim, activation,
+                         bias if ffn_bias is None else ffn_bias,
                          dropout if ffn_dropout is None else ffn_dropout, factory)
+        post = [make_norm(norm, dim, eps=norm_eps, **factory) for _ in range(2)] \
+            if post_norms else [None, None]
         return cls(attn, ffn, make_norm(norm, dim, eps=norm_eps, **factory),
                    make_norm(norm, dim, eps=norm_eps, **factory), norm_first=norm_first,
-                   dropout=dropout)
+                   dropout=dropout, post_norm1=post[0], post_norm2=post[1])
 
     def forward(self, x: Tensor, *, rows: TokenRows | None = None, at: Tensor | None = None,
                 mask=None, causal: bool = False, bias=None, need_weights: bool = False,
@@ -163,7 +183,10 @@ class EncoderLayer(nn.Module):
         weights = None
         if need_weights:
             a, weights = a
-        if self.norm_first:
+        if self.post_norm1 is not None:  # the sandwich layer (Gemma 2)
+            x = x + self.dropout(self.post_norm1(a))
+            x = x + self.dropout(self.post_norm2(self.ffn(self.norm2(x))))
+        elif self.norm_first:
             x = x + self.dropout(a)
             x = x + self.dropout(self.ffn(self.norm2(x)))
         else:
@@ -175,6 +198,7 @@ class EncoderLayer(nn.Module):
         """Whether token rows run this layer's parts directly (see ``forward``)."""
         attn = self.attn
         return (type(attn) is MultiHeadAttention and not has_hooks(attn)
+                and self.post_norm1 is None
                 and attn.in_proj is not None
                 and type(attn.in_proj) is nn.Linear and type(attn.out_proj) is nn.Linear
                 and (cache is None or type(cache) is KVCache))

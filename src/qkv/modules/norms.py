@@ -9,7 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["LayerNorm", "RMSNorm", "make_norm"]
+__all__ = ["NORMS", "LayerNorm", "RMSNorm", "make_norm"]
+
+#: the norms ``make_norm`` builds by name
+NORMS = ("layernorm", "rmsnorm", "rmsnorm_plus_one")
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -32,30 +35,46 @@ class LayerNorm(nn.LayerNorm):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019): x / rms(x) · weight, at least fp32."""
+    """Root-mean-square norm (Zhang & Sennrich 2019): x / rms(x) · weight, at least fp32.
 
-    def __init__(self, dim: int, *, eps: float = 1e-6, device=None, dtype=None) -> None:
+    ``unit_offset=True`` scales by (1 + weight) instead (Gemma's norm, whose stored weight
+    is the offset from 1; it starts at zeros), also in at least fp32."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, unit_offset: bool = False, device=None,
+                 dtype=None) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+        self.unit_offset = bool(unit_offset)
+        init = torch.zeros if self.unit_offset else torch.ones
+        self.weight = nn.Parameter(init(dim, device=device, dtype=dtype))
 
     def forward(self, x: Tensor) -> Tensor:
         """x (..., C) -> (..., C) in x's dtype; fp16/bf16 computed in fp32, fp64 in fp64."""
         compute = torch.promote_types(x.dtype, torch.float32)
         xf = x.to(compute)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.to(compute)).to(x.dtype)
+        w = self.weight.to(compute)
+        return (xf * (1.0 + w if self.unit_offset else w)).to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        """The identity scale: ones (zeros with ``unit_offset``)."""
+        nn.init.constant_(self.weight, 0.0 if self.unit_offset else 1.0)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        offset = ", unit_offset=True" if self.unit_offset else ""
+        return f"{self.weight.shape[0]}, eps={self.eps}{offset}"
 
 
 def make_norm(kind: str, dim: int, *, eps: float | None = None, bias: bool = True,
               device=None, dtype=None) -> nn.Module:
-    """A norm by name: "layernorm" (``bias`` selects its additive term) or "rmsnorm"."""
+    """A norm by name (``NORMS``): "layernorm" (``bias`` selects its additive term),
+    "rmsnorm", or "rmsnorm_plus_one" (``RMSNorm(unit_offset=True)``, Gemma)."""
     if kind == "layernorm":
         return LayerNorm(dim, eps=1e-5 if eps is None else eps, bias=bias, device=device,
                          dtype=dtype)
     if kind == "rmsnorm":
         return RMSNorm(dim, eps=1e-6 if eps is None else eps, device=device, dtype=dtype)
-    raise ValueError(f"norm must be 'layernorm' or 'rmsnorm', got {kind!r}")
+    if kind == "rmsnorm_plus_one":
+        return RMSNorm(dim, eps=1e-6 if eps is None else eps, unit_offset=True, device=device,
+                       dtype=dtype)
+    raise ValueError(f"norm must be one of {list(NORMS)}, got {kind!r}")

@@ -28,7 +28,8 @@ class NoBackendError(ValueError):
     """No backend can serve the request; the message lists each backend's reason."""
 
 
-def _validate(q: Tensor, k: Tensor, v: Tensor, bias, scale, dropout_p, backend) -> None:
+def _validate(q: Tensor, k: Tensor, v: Tensor, bias, scale, dropout_p, backend,
+              softcap=None) -> None:
     check_qkv("attention", q, k, v)
     b, h, d = q.shape[0], q.shape[1], q.shape[3]
     if k.shape[2] == 0 or d == 0:
@@ -55,6 +56,13 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, bias, scale, dropout_p, backend) 
                             f"{type(scale).__name__} {scale!r}")
         if not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"attention: scale must be a positive finite number, got {scale!r}")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+            raise TypeError(f"attention: softcap must be a Python float or None, got "
+                            f"{type(softcap).__name__} {softcap!r}")
+        if not math.isfinite(softcap) or softcap <= 0:
+            raise ValueError(f"attention: softcap must be a positive finite number or None, "
+                             f"got {softcap!r}")
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"attention: dropout_p must be in [0, 1), got {dropout_p!r}")
     if backend not in (*BACKENDS, "auto"):
@@ -155,9 +163,9 @@ def _non_finite_guard(q: Tensor, k: Tensor, v: Tensor, out: Tensor, bias, dropou
     return out.masked_fill(poison, float("nan"))
 
 
-def _refusal(name: str, q, k, v, mask, bias) -> str | None:
+def _refusal(name: str, q, k, v, mask, bias, softcap: float | None = None) -> str | None:
     if name == "sdpa":
-        return sdpa_refusal(q, k, v, mask, bias)
+        return sdpa_refusal(q, k, v, mask, bias, softcap=softcap)
     if name == "reference":
         size = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
         if size > REFERENCE_MAX_ELEMENTS:
@@ -174,8 +182,9 @@ def attention(
     dropout_p: float = 0.0,
     return_weights: bool = False,
     backend: str = "auto",
+    softcap: float | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Scaled dot-product attention: softmax(q kᵀ · scale + bias, mask) v.
+    """Scaled dot-product attention: softmax(cap(q kᵀ · scale) + bias, mask) v.
 
     Args:
         q: queries (B, H, N, D).
@@ -192,6 +201,12 @@ def attention(
             inputs), materialised by the reference math whichever backend computed the output.
         backend: "auto" (fastest that can serve: sdpa, then chunked; the reference math for
             small problems SDPA cannot express), "sdpa", "chunked" or "reference".
+        softcap: logit soft-capping (Gemma 2's ``attn_logit_softcapping``): a positive finite
+            float makes cap(x) = softcap · tanh(x / softcap), applied to q kᵀ · scale before
+            the bias and the mask (in fp32 for half inputs); None (default): no cap. SDPA
+            cannot express it (``auto`` then takes chunked or reference); the chunked
+            backend runs it on its explicit tiles, sliding-window and block-sparse masks
+            included (only their live key range / blocks are visited).
 
     Returns:
         out (B, H, N, Dv) in q's dtype, or ``(out, weights)``. A query row with nothing to
@@ -204,8 +219,9 @@ def attention(
         TypeError / ValueError naming the offending argument; ``NoBackendError`` listing each
         backend's reason when none can serve.
     """
-    _validate(q, k, v, bias, scale, dropout_p, backend)
+    _validate(q, k, v, bias, scale, dropout_p, backend, softcap)
     mask = _full_mask(mask, causal, q, k)
+    softcap = None if softcap is None else float(softcap)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     scale = float(scale)
@@ -219,7 +235,7 @@ def attention(
     reasons = {}
     chosen = None
     for name in candidates:
-        reason = _refusal(name, q, k, v, mask, bias)
+        reason = _refusal(name, q, k, v, mask, bias, softcap)
         if reason is None:
             chosen = name
             break
@@ -236,9 +252,9 @@ def attention(
                                   dropout_p=dropout_p)
         if chosen == "chunked":
             return chunked_attention(q, k, v, mask=mask, bias=bias, scale=scale,
-                                     dropout_p=dropout_p)[0]
+                                     dropout_p=dropout_p, softcap=softcap)[0]
         out, weights = reference_attention(q, k, v, mask=mask, bias=bias, scale=scale,
-                                           dropout_p=dropout_p)
+                                           dropout_p=dropout_p, softcap=softcap)
         first_weights.append(weights)
         return out
 
@@ -246,17 +262,19 @@ def attention(
     if return_weights:
         if first_weights:
             return out, first_weights[0]
-        _, weights = reference_attention(q, k, v, mask=mask, bias=bias, scale=scale)
+        _, weights = reference_attention(q, k, v, mask=mask, bias=bias, scale=scale,
+                                         softcap=softcap)
         return out, weights
     return out
 
 
-def explain(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, causal: bool = False
-            ) -> dict[str, str | None]:
+def explain(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, causal: bool = False,
+            softcap: float | None = None) -> dict[str, str | None]:
     """For each backend, why it would refuse this request (None: it can serve).
 
     Arguments as for ``attention``; invalid requests raise as ``attention`` would."""
-    _validate(q, k, v, bias, None, 0.0, "auto")
+    _validate(q, k, v, bias, None, 0.0, "auto", softcap)
     mask = _full_mask(mask, causal, q, k)
-    return {name: _refusal(name, q, k, v, mask, bias) for name in BACKENDS}
+    softcap = None if softcap is None else float(softcap)
+    return {name: _refusal(name, q, k, v, mask, bias, softcap) for name in BACKENDS}
 

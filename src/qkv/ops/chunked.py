@@ -9,6 +9,9 @@ Work is split into parts whose (output, LSE) pairs merge exactly:
   or a causal mask, the bulk runs in torch's fused CPU kernel;
 - sparse.py: plain sliding-window and block-sparse masks (the latter also ``& Padding``) run
   in that kernel per query block.
+Logit soft-capping (``softcap``) runs on the explicit tiles only (the flash kernel has no tanh
+step): a sliding-window or block-sparse mask still visits only its live key range / blocks
+there (``TileProblem.key_blocks``), so the work stays O(N·(block + window)).
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ class _Plan:
     """What to compute: explicit tiles (``tiles``), flash segments, and the bias params."""
 
     def __init__(self, q: Tensor, k: Tensor, mask: Mask | None, bias, scale: float,
-                 dropout_p: float, block_q: int, block_k: int) -> None:
+                 dropout_p: float, block_q: int, block_k: int,
+                 softcap: float | None = None) -> None:
         n, s = q.shape[2], k.shape[2]
         producer = bias if isinstance(bias, BiasProducer) else None
         self.scale = scale
@@ -60,7 +64,7 @@ class _Plan:
         seed = int(torch.randint(0, 2**31 - 1, ()).item()) if dropout_p > 0 else 0
         tile_bias = None if producer is not None else bias
         if (producer is not None and block_q is None and block_k is None
-                and fast_path_refusal(q, k, mask, producer, dropout_p) is None):
+                and fast_path_refusal(q, k, mask, producer, dropout_p, softcap=softcap) is None):
             self.segments, band = plan_segments(n, s, isinstance(mask, Causal), producer)
             if band is not None:  # one tile per 64 queries spans the whole band
                 self.tiles = TileProblem(
@@ -71,7 +75,7 @@ class _Plan:
         self.tiles = TileProblem(
             n=n, s=s, scale=scale, mask=mask, bias=tile_bias, producer=producer,
             dropout_p=dropout_p, seed=seed, block_q=block_q or 128, block_k=block_k or 512,
-            device=q.device)
+            softcap=softcap, device=q.device)
 
 
 class _ChunkedAttention(torch.autograd.Function):
@@ -135,7 +139,8 @@ class _ChunkedAttention(torch.autograd.Function):
 def chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None = None,
                       bias: Tensor | BiasProducer | None = None, scale: float,
                       dropout_p: float = 0.0, block_q: int | None = None,
-                      block_k: int | None = None) -> tuple[Tensor, Tensor]:
+                      block_k: int | None = None, softcap: float | None = None
+                      ) -> tuple[Tensor, Tensor]:
     """Exact attention in blocks. q (B, H, N, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv).
 
     Returns ``(out, lse)``: out (B, H, N, Dv) in q's dtype, lse (B, H, N) (-inf for rows that
@@ -143,7 +148,9 @@ def chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None = No
     ``block_q``/``block_k`` forces plain explicit tiles of that size (no fused fast path); by
     default structured bias producers, a plain ``SlidingWindow`` and a plain ``BigBird`` /
     ``BlockSparse`` / ``Longformer``, alone or ``& Padding(...)`` (no bias or dropout), take
-    fused paths; other block-sparse masks use their block size as the tile.
+    fused paths; other block-sparse masks use their block size as the tile. ``softcap``
+    (a positive float, or None) caps q kᵀ · scale as ``softcap · tanh(· / softcap)`` before
+    the bias and the mask; it always runs on the explicit tiles (no fused path).
     """
     for name, size in (("block_q", block_q), ("block_k", block_k)):
         if size is not None and (isinstance(size, bool) or not isinstance(size, int)
@@ -152,16 +159,17 @@ def chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None = No
                              f"got {size!r}")
     heads = q.shape[1]
     k, v = expand_kv(k, heads), expand_kv(v, heads)  # (B, H, S, D)
-    if block_q is None and block_k is None and window_refusal(q, mask, bias, dropout_p) is None:
+    if (block_q is None and block_k is None
+            and window_refusal(q, mask, bias, dropout_p, softcap=softcap) is None):
         out = window_attention(q, k, v, window=mask, scale=scale)
         return out, None
     if (block_q is None and block_k is None
-            and block_sparse_refusal(q, mask, bias, dropout_p) is None):
+            and block_sparse_refusal(q, mask, bias, dropout_p, softcap=softcap) is None):
         return block_sparse_attention(q, k, v, mask=mask, scale=scale)
     if mask is not None and mask.tile is not None:  # block-sparse layouts: tiles = blocks
         block_q = block_q or mask.tile
         block_k = block_k or mask.tile
-    plan = _Plan(q, k, mask, bias, scale, dropout_p, block_q, block_k)
+    plan = _Plan(q, k, mask, bias, scale, dropout_p, block_q, block_k, softcap)
     bias_tensor = bias if isinstance(bias, Tensor) else None
     out, lse = _ChunkedAttention.apply(plan, q, k, v, bias_tensor, *plan.params)
     return out, lse

@@ -90,7 +90,7 @@ def _region_segments(c: int, n: int, s: int, t0: int, t1: int, **kw) -> list[Fla
 
 
 def fast_path_refusal(q: Tensor, k: Tensor, mask: Mask | None, producer,
-                      dropout_p: float) -> str | None:
+                      dropout_p: float, *, softcap: float | None = None) -> str | None:
     """Why the fused fast path cannot serve this request (None: it can)."""
     if not isinstance(producer, BiasProducer):
         return "no structured bias producer"
@@ -98,6 +98,8 @@ def fast_path_refusal(q: Tensor, k: Tensor, mask: Mask | None, producer,
         return "fused relative-bias path uses torch's CPU flash kernel"
     if dropout_p > 0.0:
         return "dropout"
+    if softcap is not None:
+        return f"logit soft-capping (softcap={softcap!r}): the flash kernel has no tanh step"
     if mask is not None and not isinstance(mask, Causal):
         return f"mask {mask.describe()} is not plain causal"
     n, s = q.shape[2], k.shape[2]

@@ -15,7 +15,7 @@ from torch import Tensor
 from .bias import BiasProducer
 from .masks import Mask
 
-__all__ = ["expand_kv", "reference_attention", "safe_softmax"]
+__all__ = ["expand_kv", "reference_attention", "safe_softmax", "soft_cap"]
 
 
 def expand_kv(x: Tensor, heads: int) -> Tensor:
@@ -41,11 +41,20 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def soft_cap(scores: Tensor, softcap: float | None) -> Tensor:
+    """Logit soft-capping (Gemma 2): ``softcap · tanh(scores / softcap)``, any shape; None
+    returns ``scores`` itself. Applied to q kᵀ · scale before the bias and the mask."""
+    if softcap is None:
+        return scores
+    return torch.tanh(scores / softcap) * softcap
+
+
 def reference_attention(
     q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None, bias: Tensor | BiasProducer | None,
-    scale: float, dropout_p: float = 0.0, training: bool = True,
+    scale: float, dropout_p: float = 0.0, training: bool = True, softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """softmax(q kᵀ · scale + bias, masked) v, materialised.
+    """softmax(cap(q kᵀ · scale) + bias, masked) v, materialised; cap is ``soft_cap`` with
+    ``softcap`` (the identity for None).
 
     q (B, H, N, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv). Returns ``(out, weights)``:
     out (B, H, N, Dv) in q's dtype and weights (B, H, N, S) (before dropout) in the
@@ -55,6 +64,7 @@ def reference_attention(
     cdt = compute_dtype(q.dtype)
     qc, kc, vc = q.to(cdt), expand_kv(k, heads).to(cdt), expand_kv(v, heads).to(cdt)
     scores = torch.matmul(qc, kc.transpose(-2, -1)) * scale  # (B, H, N, S)
+    scores = soft_cap(scores, softcap)
     if isinstance(bias, BiasProducer):
         scores = scores + bias.dense(n, s, q=qc, scale=scale, device=q.device).to(cdt)
     elif bias is not None:

@@ -23,8 +23,12 @@ MAX_MATERIALISED = 1 << 22  # elements of a (B, H, N, S) bias the sdpa backend w
 MAX_DENSE_SPARSE = 1 << 20  # N·S above which a sparse mask goes to the chunked backend
 
 
-def sdpa_refusal(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, bias) -> str | None:
+def sdpa_refusal(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, bias, *,
+                 softcap: float | None = None) -> str | None:
     """Why the sdpa backend cannot serve this request (None: it can)."""
+    if softcap is not None:
+        return (f"logit soft-capping (softcap={softcap!r}) transforms q kᵀ · scale before the "
+                f"bias and the mask, which SDPA cannot express")
     if mask is not None and mask.sparse and q.shape[2] * k.shape[2] > MAX_DENSE_SPARSE:
         return (f"sparse mask {mask.describe()}: a dense kernel would compute all "
                 f"{q.shape[2]}×{k.shape[2]} pairs (the chunked backend computes live blocks)")

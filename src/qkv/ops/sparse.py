@@ -35,12 +35,14 @@ _flash_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def _kernel_refusal(q: Tensor, bias, dropout_p: float) -> str | None:
+def _kernel_refusal(q: Tensor, bias, dropout_p: float, softcap: float | None) -> str | None:
     """What torch's CPU flash kernel paths of this file cannot take (None: nothing)."""
     if bias is not None:
         return "a bias"
     if dropout_p > 0:
         return "dropout"
+    if softcap is not None:
+        return f"logit soft-capping (softcap={softcap!r}): the flash kernel has no tanh step"
     if q.device.type != "cpu":
         return "uses torch's CPU flash kernel"
     return None
@@ -55,11 +57,12 @@ def _backward_buffers(q: Tensor, k: Tensor, v: Tensor, d_out: Tensor, cdt: torch
     return inputs, grads
 
 
-def window_refusal(q: Tensor, mask, bias, dropout_p: float) -> str | None:
+def window_refusal(q: Tensor, mask, bias, dropout_p: float, *,
+                   softcap: float | None = None) -> str | None:
     """Why the window fast path cannot serve (None: it can)."""
     if not isinstance(mask, SlidingWindow):
         return "not a plain SlidingWindow mask"
-    return _kernel_refusal(q, bias, dropout_p)
+    return _kernel_refusal(q, bias, dropout_p, softcap)
 
 
 def _blocks(n: int, s: int, window: SlidingWindow, rows: int):
@@ -131,12 +134,14 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, *, window: SlidingWindow, 
 # --- block-sparse patterns (BigBird, BlockSparse, Longformer) in the same kernel ------------
 
 
-def block_sparse_refusal(q: Tensor, mask, bias, dropout_p: float) -> str | None:
+def block_sparse_refusal(q: Tensor, mask, bias, dropout_p: float, *,
+                         softcap: float | None = None) -> str | None:
     """Why the fused block-sparse path cannot serve (None: it can): it takes a plain
-    ``BigBird`` / ``BlockSparse`` / ``Longformer`` mask, alone or ``& Padding(...)``."""
+    ``BigBird`` / ``BlockSparse`` / ``Longformer`` mask, alone or ``& Padding(...)``, with no
+    bias, dropout or soft cap."""
     if _split_padding(mask) is None:
         return "not a BigBird / BlockSparse / Longformer mask, alone or & Padding"
-    return _kernel_refusal(q, bias, dropout_p)
+    return _kernel_refusal(q, bias, dropout_p, softcap)
 
 
 def _split_padding(mask) -> tuple | None:

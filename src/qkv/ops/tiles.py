@@ -8,7 +8,10 @@ returns the output and the log-sum-exp (LSE) of each row, never an N×S tensor. 
 recomputes each tile's probabilities from the LSE, P = exp(S - LSE), and uses
 dS = P ∘ (dP - rowsum(dO ∘ O)) (FlashAttention-2), so it stores nothing of size N×S either.
 Bias producers' parameters get their gradients through a small local autograd graph per tile.
-All tile math runs in fp32 for half-precision inputs.
+All tile math runs in fp32 for half-precision inputs. Logit soft-capping (``softcap``, Gemma 2)
+caps q kᵀ · scale as ``softcap · tanh(· / softcap)`` before the bias and the mask; backward
+multiplies the logits' gradient by ``1 - tanh²`` on its way to dQ and dK (the bias and the
+producer see the capped logits' gradient unchanged).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class TileProblem:
     seed: int = 0
     block_q: int = 256
     block_k: int = 512
+    softcap: float | None = None  # logit soft-capping before the bias and the mask
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def query_blocks(self):
@@ -106,16 +110,22 @@ def _dropout_keep(prob: TileProblem, i0: int, j0: int, shape, device) -> Tensor:
 
 
 def _scores(prob: TileProblem, qt: Tensor, kt: Tensor, i0, i1, keys, blk,
-            producer_bias: Tensor | None) -> Tensor:
-    """Logits of one tile, (B, H, n, s), -inf where masked."""
+            producer_bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """Logits of one tile, (B, H, n, s), -inf where masked, and the derivative of the soft
+    cap with respect to q kᵀ · scale, ``1 - tanh²`` (B, H, n, s) (None without a cap)."""
     scores = torch.matmul(qt, kt.transpose(-2, -1)) * prob.scale  # (B, H, n, s)
+    slope = None
+    if prob.softcap is not None:
+        capped = torch.tanh(scores / prob.softcap)  # (B, H, n, s)
+        slope = 1.0 - capped * capped
+        scores = capped * prob.softcap
     if prob.bias is not None:
         scores = scores + _bias_tile(prob.bias, i0, i1, keys).to(scores.dtype)
     if producer_bias is not None:
         scores = scores + producer_bias
     if blk is not True:
         scores = scores.masked_fill(~blk, float("-inf"))
-    return scores
+    return scores, slope
 
 
 def tiles_forward(prob: TileProblem, q: Tensor, k: Tensor, v: Tensor,
@@ -142,7 +152,7 @@ def tiles_forward(prob: TileProblem, q: Tensor, k: Tensor, v: Tensor,
             if prod is not None:
                 pbias = prod.score_bias(qpos, kpos, q=qt if prod.needs_query else None,
                                         scale=prob.scale).to(cdt)
-            scores = _scores(prob, qt, kt, i0, i1, keys, blk, pbias)
+            scores, _ = _scores(prob, qt, kt, i0, i1, keys, blk, pbias)
             m_new = torch.maximum(m, scores.amax(dim=-1))
             m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
             alpha = torch.exp(m - m_safe)  # 0 where m was -inf
@@ -200,8 +210,8 @@ def tiles_backward(prob: TileProblem, q: Tensor, k: Tensor, v: Tensor, d_out: Te
                     q_leaf = qt.detach().requires_grad_(want_q_for_prod)
                     pbias = prod.score_bias(qpos, kpos, q=q_leaf if want_q_for_prod else None,
                                             scale=prob.scale).to(cdt)
-            scores = _scores(prob, qt, kt, i0, i1, keys, blk,
-                             None if pbias is None else pbias.detach())
+            scores, slope = _scores(prob, qt, kt, i0, i1, keys, blk,
+                                    None if pbias is None else pbias.detach())
             p = torch.exp(scores - lse_t)  # (B, H, n, s), globally normalised
             keep = None
             w = p
@@ -220,8 +230,9 @@ def tiles_backward(prob: TileProblem, q: Tensor, k: Tensor, v: Tensor, d_out: Te
             if keep is not None:
                 dp = dp * keep / (1.0 - prob.dropout_p)
             ds = p * (dp - delta_t)  # (B, H, n, s): gradient of the logits
-            dq_t += torch.matmul(ds, kt) * prob.scale
-            grads["k"][:, :, keys] += torch.matmul(ds.transpose(-2, -1), qt) * prob.scale
+            ds_qk = ds if slope is None else ds * slope  # through the soft cap
+            dq_t += torch.matmul(ds_qk, kt) * prob.scale
+            grads["k"][:, :, keys] += torch.matmul(ds_qk.transpose(-2, -1), qt) * prob.scale
             if "bias" in grads:
                 rows, cols = _bias_cols(prob.bias, i0, i1, keys)
                 tile_shape = _bias_tile(prob.bias, i0, i1, keys).shape
