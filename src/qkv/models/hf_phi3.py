@@ -37,8 +37,8 @@ PHI3_FAMILY = Family(
             "resid_pdrop": "used",
             "embd_pdrop": "ignored: transformers' Phi-3 does not apply it",
             "partial_rotary_factor": "used (qkv.models.hf_rope: only 1.0)",
-            "original_max_position_embeddings": "ignored: read only by longrope scaling, "
-                                                "which is refused"},
+            "original_max_position_embeddings": "used (qkv.models.hf_rope: the original "
+                                                "context of llama3 / yarn scaling)"},
     defaults={"vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
               "num_hidden_layers": 32, "num_attention_heads": 32, "hidden_act": "silu",
               "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,

@@ -19,9 +19,12 @@ angles; ``Learned`` holds its weight as an ordinary parameter.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
+
+from .rope_scaling import RopeScaling, rope_frequencies
 
 __all__ = ["Learned", "PositionError", "RoPE", "Sinusoidal", "positions_from_mask"]
 
@@ -285,22 +288,54 @@ class RoPE(nn.Module):
     projection weights). Angles come from the positions in fp64, so there is no length limit
     and no table; the rotation runs in fp32 for fp16/bf16 inputs and returns the input dtype.
 
+    ``scaling`` extends the context as transformers does for Llama-family checkpoints
+    ("linear", "dynamic", "llama3", "yarn"; ``qkv.modules.rope_scaling``): θ_i become the
+    scaled frequencies and cos and sin are multiplied by the attention factor (yarn's; 1
+    otherwise), as transformers' rotary embeddings do. "dynamic" rescales the base from the
+    largest position of each call (``position_dependent``): ``rotate(x, positions)`` at a
+    decoding step is what transformers computes there, but ``cos_sin(arange(cap))`` precomputed
+    as a table is not (it scales every position for the length ``cap``).
+
     Args:
         head_dim: D, the dims rotated; must be even.
         base: θ base (10000 in the paper; Llama 3 uses 500000).
         interleaved: the pair convention, above.
+        scaling: None (plain RoPE, the default), a ``RopeScaling``, or its ``to_dict()`` form
+            (``{"rope_type": "llama3", "factor": 8.0, ...}``); kept as ``self.scaling``
+            (a ``RopeScaling`` or None).
     """
 
-    def __init__(self, head_dim: int, *, base: float = 10000.0, interleaved: bool = False) -> None:
+    def __init__(
+        self, head_dim: int, *, base: float = 10000.0, interleaved: bool = False,
+        scaling: RopeScaling | Mapping | None = None,
+    ) -> None:
         super().__init__()
         self.head_dim = _check_dim(head_dim, "head_dim")
         self.base = _check_base(base)
         if not isinstance(interleaved, bool):
             raise TypeError(f"interleaved must be a bool, got {interleaved!r}")
         self.interleaved = interleaved
+        if isinstance(scaling, Mapping):
+            scaling = RopeScaling.from_dict(scaling)
+        elif scaling is not None and not isinstance(scaling, RopeScaling):
+            raise TypeError(f"scaling must be a RopeScaling, its dict or None, "
+                            f"got {type(scaling).__name__}")
+        if scaling is not None:
+            rope_frequencies(self.head_dim, self.base, scaling)  # a ValueError for a bad pair
+        self.scaling: RopeScaling | None = scaling
+
+    @property
+    def position_dependent(self) -> bool:
+        """True when the angles of a position depend on the call's largest position
+        ("dynamic" scaling): cos/sin precomputed for ``arange(cap)`` then differ from
+        ``cos_sin`` of each call's positions, so compute them per call."""
+        return self.scaling is not None and self.scaling.position_dependent
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, base={self.base:g}, interleaved={self.interleaved}"
+        text = f"head_dim={self.head_dim}, base={self.base:g}, interleaved={self.interleaved}"
+        if self.scaling is not None:
+            text += f", scaling={self.scaling.to_dict()}"
+        return text
 
     def cos_sin(
         self, positions: Tensor, dtype: torch.dtype = torch.float32,
@@ -308,13 +343,26 @@ class RoPE(nn.Module):
         """cos and sin of the angles ``pos * θ_i``: positions (...) int -> two (..., D/2).
 
         Computed in fp64 (fp32 on MPS) and cast to ``dtype``. Column i belongs to pair i
-        (see the class docstring for which dims that is).
+        (see the class docstring for which dims that is). With ``scaling``, θ_i are the
+        scaled frequencies and both are multiplied by the attention factor; "dynamic" takes
+        its length from these positions, ``max(positions) + 1`` over all of them (as
+        transformers takes ``max(position_ids) + 1`` over the batch).
         """
         positions = _check_integer(positions)
         adt = _angle_dtype(positions.device)
-        inv = _inv_freq(self.head_dim // 2, self.head_dim, self.base, positions.device, adt)
+        if self.scaling is None:
+            inv = _inv_freq(self.head_dim // 2, self.head_dim, self.base, positions.device, adt)
+            angles = positions.to(adt).unsqueeze(-1) * inv  # (..., D/2)
+            return angles.cos().to(dtype), angles.sin().to(dtype)
+        seq_len = positions.max() + 1 \
+            if self.scaling.position_dependent and positions.numel() else None
+        inv, factor = rope_frequencies(self.head_dim, self.base, self.scaling, seq_len=seq_len,
+                                       device=positions.device, dtype=adt)  # (D/2,)
         angles = positions.to(adt).unsqueeze(-1) * inv  # (..., D/2)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        cos, sin = angles.cos(), angles.sin()
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
+        return cos.to(dtype), sin.to(dtype)
 
     def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """x (B, H, N, D) with cos/sin (N, D/2) or (B|1, N, D/2) in the compute dtype."""
