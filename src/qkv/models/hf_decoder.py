@@ -76,6 +76,7 @@ DECODER_FIELDS: dict[str, str | Check] = {
     "rms_norm_eps": _EPS, "tie_word_embeddings": "used",
     "hidden_act": Check(_activation_ok, f"a gated FFN of {sorted(_GATED)}", used=True),
     "rope_theta": _ROPE, "rope_scaling": _ROPE, "rope_parameters": _ROPE,
+    "original_max_position_embeddings": _ROPE,
     "attention_dropout": "used",
     "initializer_range": _INIT,
     "use_cache": "ignored: a key/value cache never changes outputs",

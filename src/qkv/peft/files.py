@@ -12,8 +12,9 @@ qkv's files: the JSON is ``{"kind": "lora", "name", "config": LoraConfig.to_dict
 parameter, e.g. ``layers.0.attn.in_proj.A_q`` (r, In) and ``layers.0.attn.in_proj.B_q``
 (Rows, r).
 
-HF PEFT's LoRA files (``peft_type`` "LORA", saved by ``save_pretrained``) for the GPT-2 and
-BERT checkpoints ``qkv.models.from_hf`` loads map onto qkv's projections:
+HF PEFT's LoRA files (``peft_type`` "LORA", saved by ``save_pretrained``) for the GPT-2,
+BERT and Llama-style checkpoints ``qkv.models.from_pretrained`` loads map onto qkv's
+projections:
 
 - GPT-2 ``h.i.attn.c_attn`` (Conv1D) -> ``layers.i.attn.in_proj``, role ``"qkv"``;
 - GPT-2 ``h.i.attn.c_proj`` -> ``layers.i.attn.out_proj``, ``"out"``;
@@ -23,13 +24,27 @@ BERT checkpoints ``qkv.models.from_hf`` loads map onto qkv's projections:
   ``layers.i.attn.in_proj``, roles ``"q"`` / ``"k"`` / ``"v"`` (their rows of the fused
   projection);
 - BERT ``attention.output.dense`` -> ``out_proj`` (``"out"``), ``intermediate.dense`` ->
-  ``ffn.fc_in`` (``"ffn_in"``), ``output.dense`` -> ``ffn.fc_out`` (``"ffn_out"``).
+  ``ffn.fc_in`` (``"ffn_in"``), ``output.dense`` -> ``ffn.fc_out`` (``"ffn_out"``);
+- Llama, Mistral, Qwen2/3, Gemma 1/2 ``model.layers.i.self_attn.q_proj`` / ``k_proj`` /
+  ``v_proj`` -> ``layers.i.attn.in_proj``, roles ``"q"`` / ``"k"`` / ``"v"``; ``o_proj`` ->
+  ``out_proj`` (``"out"``); ``mlp.gate_proj`` / ``up_proj`` -> ``ffn.fc_in``, roles
+  ``"gate"`` / ``"up"`` (rows [0, F) / [F, 2F) of the fused gated FFN); ``mlp.down_proj`` ->
+  ``ffn.fc_out`` (``"ffn_out"``, alias ``"down"``);
+- Phi-3 ``self_attn.qkv_proj`` -> ``in_proj``, ``"qkv"``; ``mlp.gate_up_proj`` -> ``fc_in``,
+  ``"ffn_in"`` (one update over the fused rows, as PEFT computes it); ``o_proj`` and
+  ``down_proj`` as above.
 
 PEFT's A (r, In) and B (Out, r) are the same for a Conv1D (``fan_in_fan_out`` only changes
 how PEFT merges), so they are copied as they are; scale lora_alpha / r (/ √r with
-``use_rslora``). Refused with one ``CheckpointError`` before anything is attached: other
-PEFT types, DoRA, LoRA biases, rank/alpha patterns, ``modules_to_save``, a subset of the
-layers, any other module (the pooler, embeddings), another architecture, other shapes.
+``use_rslora``), dropout ``lora_dropout``. The file's modules must be the ones
+``target_modules`` names (PEFT's matching: a string is a regular expression over the whole
+module name, a list names module-name suffixes), and each listed module this architecture
+has must be in the file. Refused with one ``CheckpointError`` before anything is attached:
+other PEFT types, DoRA, LoRA biases, rank/alpha patterns, ``modules_to_save``, a subset of
+the layers, the variants that compute something else (aLoRA, QALoRA, MonteCLoRA, BD-LoRA,
+KaSA, Arrow routing, layer replication, trainable tokens), any other module (the pooler,
+embeddings, the LM head), another architecture, other shapes. qkv writes its own format
+only (``save_adapter``); it does not write PEFT's files.
 """
 
 from __future__ import annotations
@@ -70,7 +85,24 @@ _BERT_SITES = {"attention.self.query": ("attn.in_proj", "q"),
                "attention.output.dense": ("attn.out_proj", "out"),
                "intermediate.dense": ("ffn.fc_in", "ffn_in"),
                "output.dense": ("ffn.fc_out", "ffn_out")}
+_DECODER_KEY = re.compile(r"(?:model\.)?layers\.(\d+)\.(self_attn\.(?:q|k|v|o|qkv)_proj|"
+                          r"mlp\.(?:gate|up|down|gate_up)_proj)\.lora_([AB])\.weight")
+_DECODER_SITES = {"self_attn.q_proj": ("attn.in_proj", "q"),
+                  "self_attn.k_proj": ("attn.in_proj", "k"),
+                  "self_attn.v_proj": ("attn.in_proj", "v"),
+                  "self_attn.qkv_proj": ("attn.in_proj", "qkv"),  # Phi-3
+                  "self_attn.o_proj": ("attn.out_proj", "out"),
+                  "mlp.gate_proj": ("ffn.fc_in", "gate"),
+                  "mlp.up_proj": ("ffn.fc_in", "up"),
+                  "mlp.gate_up_proj": ("ffn.fc_in", "ffn_in"),  # Phi-3
+                  "mlp.down_proj": ("ffn.fc_out", "ffn_out")}
 _PEFT_PREFIX = "base_model.model."
+#: PEFT options that change what is computed (or the model's structure): refused when set
+_PEFT_REFUSED = ("use_dora", "lora_bias", "rank_pattern", "alpha_pattern", "modules_to_save",
+                 "layers_to_transform", "target_parameters", "alora_invocation_tokens",
+                 "use_qalora", "monteclora_config", "use_bdlora", "kasa_config",
+                 "arrow_config", "layer_replication", "trainable_token_indices")
+_LORA_SUFFIX = re.compile(r"\.lora_[AB]\.weight")
 
 
 def save_adapter(model: nn.Module, path: str | os.PathLike, *, name: str | None = None
@@ -168,9 +200,10 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, name: str | None 
                  ) -> str:
     """Add the adapter saved in directory ``path`` to ``model`` and make it the active (and
     only trainable) one: a LoRA adapter (qkv's ``save_adapter`` files, or HF PEFT's LoRA
-    files for a GPT-2 / BERT checkpoint loaded by ``qkv.models.from_hf``; see the module
-    docstring), a bottleneck adapter or a prefix (``save_adapter``'s files). Adapters of the
-    other kinds step aside (``qkv.peft.set_adapter``).
+    files for a GPT-2 / BERT / Llama-style (Llama, Mistral, Qwen2/3, Gemma 1/2, Phi-3)
+    checkpoint loaded by ``qkv.models.from_pretrained``; see the module docstring), a
+    bottleneck adapter or a prefix (``save_adapter``'s files). Adapters of the other kinds
+    step aside (``qkv.peft.set_adapter``).
 
     Everything is checked before anything is attached: on any error the model is unchanged.
     The weights file's tensor names, shapes and dtypes are read from its safetensors header
@@ -277,13 +310,7 @@ def _from_peft(model: nn.Module, meta: dict, tensors: dict[str, Any], path: Path
     if meta.get("peft_type") != "LORA":
         raise CheckpointError(f"{where}: peft_type {meta.get('peft_type')!r}; only LORA "
                               f"adapters load into qkv.peft")
-    refused = {"use_dora": meta.get("use_dora"), "lora_bias": meta.get("lora_bias"),
-               "rank_pattern": meta.get("rank_pattern"),
-               "alpha_pattern": meta.get("alpha_pattern"),
-               "modules_to_save": meta.get("modules_to_save"),
-               "layers_to_transform": meta.get("layers_to_transform"),
-               "target_parameters": meta.get("target_parameters")}
-    refused = {k: v for k, v in refused.items() if v}
+    refused = {k: meta[k] for k in _PEFT_REFUSED if meta.get(k)}
     if meta.get("bias", "none") != "none":
         refused["bias"] = meta["bias"]
     if refused:
@@ -294,18 +321,22 @@ def _from_peft(model: nn.Module, meta: dict, tensors: dict[str, Any], path: Path
                      "rslora": bool(meta.get("use_rslora", False))}
     except KeyError as err:
         raise CheckpointError(f"{where}: missing PEFT field {err}") from err
-    if isinstance(model, GPT):
-        pattern, table, family = _GPT2_KEY, _GPT2_SITES, "GPT-2"
+    shorts = {key: key.removeprefix(_PEFT_PREFIX) for key in tensors}
+    if isinstance(model, GPT):  # GPT-2's or the Llama-style names: the file's keys decide
+        families = [(_GPT2_KEY, _GPT2_SITES, "GPT-2"),
+                    (_DECODER_KEY, _DECODER_SITES, "Llama-style")]
+        hits = [sum(bool(f[0].fullmatch(k)) for k in shorts.values()) for f in families]
+        pattern, table, family = (families[hits.index(max(hits))] if max(hits)
+                                  else (_GPT2_KEY, _GPT2_SITES, "GPT-2 or Llama-style"))
     elif isinstance(model, BERT):
         pattern, table, family = _BERT_KEY, _BERT_SITES, "BERT"
     else:
-        raise CheckpointError(f"{path}: HF PEFT adapters load into qkv GPT (GPT-2) and BERT "
-                              f"models, not {type(model).__name__}")
+        raise CheckpointError(f"{path}: HF PEFT adapters load into qkv GPT (GPT-2, Llama-style) "
+                              f"and BERT models, not {type(model).__name__}")
     out: dict[str, str] = {}
     roles_by_site: dict[str, list[str]] = {}
     unknown = []
-    for key in tensors:
-        short = key[len(_PEFT_PREFIX):] if key.startswith(_PEFT_PREFIX) else key
+    for key, short in shorts.items():
         m = pattern.fullmatch(short)
         if m is None:
             unknown.append(key)
@@ -323,6 +354,8 @@ def _from_peft(model: nn.Module, meta: dict, tensors: dict[str, Any], path: Path
                               f"module qkv.peft does not adapt): {_few(sorted(unknown))}")
     if not out:
         raise CheckpointError(f"{path / WEIGHTS_NAME}: no LoRA tensors")
+    _check_target_modules(meta, {_LORA_SUFFIX.sub("", s) for s in shorts.values()}, table,
+                          path)
     targets = tuple(dict.fromkeys(r for roles in roles_by_site.values() for r in roles))
     try:
         config = LoraConfig(targets=targets, **config_kw)
@@ -331,8 +364,51 @@ def _from_peft(model: nn.Module, meta: dict, tensors: dict[str, Any], path: Path
     for role in config.targets:  # every layer, as a qkv config targets them
         want = {plain_path(s.path) for s in lora_sites(model) if role in s.roles}
         have = {s for s, roles in roles_by_site.items() if role in roles}
-        if have != want:
+        if want and have != want:  # a role no projection has: planned_shapes says why
             raise CheckpointError(f"{path / WEIGHTS_NAME}: LoRA on role {role!r} covers "
                                   f"{_few(sorted(have))}, this {type(model).__name__} has "
                                   f"{_few(sorted(want))}; qkv adapters cover every layer")
     return config, {s: tuple(r) for s, r in roles_by_site.items()}, out
+
+
+def _peft_targets(target_modules: Any, module: str) -> bool:
+    """Whether PEFT's ``target_modules`` names ``module`` (a module path of the HF model), as
+    PEFT matches them: a string is a regular expression over the whole path ("all-linear":
+    every linear but the head), a list names paths or their dotted suffixes."""
+    if isinstance(target_modules, str):
+        return target_modules == "all-linear" or re.fullmatch(target_modules, module) is not None
+    return any(module == t or module.endswith(f".{t}") for t in target_modules)
+
+
+def _check_target_modules(meta: dict, modules: set[str], table: dict[str, Any], path: Path
+                          ) -> None:
+    """The file's modules (``modules``: HF module paths) against ``target_modules``: each
+    must be one PEFT would have adapted, and each module kind of the architecture
+    (``table``'s names) that a list names must have tensors in the file (unless
+    ``exclude_modules`` may have removed it)."""
+    where = path / CONFIG_NAME
+    targets = meta.get("target_modules")
+    if targets is None:
+        return
+    if not isinstance(targets, (str, list)) or not all(isinstance(t, str) for t in targets):
+        raise CheckpointError(f"{where}: target_modules must be a string or a list of module "
+                              f"names, got {targets!r}")
+    try:
+        outside = sorted(m for m in modules if not _peft_targets(targets, m))
+    except re.error as err:
+        raise CheckpointError(f"{where}: target_modules {targets!r} is not a regular "
+                              f"expression: {err}") from err
+    if outside:
+        raise CheckpointError(f"{path / WEIGHTS_NAME}: LoRA tensors of modules that "
+                              f"target_modules {targets!r} does not name: {_few(outside)}; "
+                              f"the weights and adapter_config.json do not belong together")
+    if isinstance(targets, str) or meta.get("exclude_modules"):
+        return
+    absent = [t for t in targets
+              if any(f".{kind}".endswith(f".{t}") for kind in table)
+              and not any(m == t or m.endswith(f".{t}") for m in modules)]
+    if absent:
+        raise CheckpointError(f"{path / WEIGHTS_NAME}: target_modules names {absent} but the "
+                              f"file holds no LoRA tensors for them; the weights and "
+                              f"adapter_config.json do not belong together")
+

@@ -8,8 +8,11 @@ S row segments updated in one projection (1 to 3), Rows output rows of one segme
 ``lora`` submodule: a ``LoraState`` holding one ``LoraUpdate`` per named adapter. A role of the
 fused QKV projection is a row segment: ``"q"`` updates rows [0, H·D), ``"k"`` the next Hkv·D,
 ``"v"`` the last Hkv·D, each with its own A (r, In) and B (Rows, r); ``"qkv"`` one segment over
-all rows. The S segments of one projection are computed as one product: x A_catᵀ (B, N, S·r)
-times a block-diagonal (Out, S·r) matrix of the Bs — the base GEMM plus two thin ones.
+all rows. A gated FFN's (``SwiGLU``) fused ``fc_in`` likewise: ``"gate"`` rows [0, F),
+``"up"`` rows [F, 2F), ``"ffn_in"`` all 2F. "all-linear" picks the finest roles each
+projection has (``qkv.peft.config.expand_targets``). The S segments of one projection are
+computed as one product: x A_catᵀ (B, N, S·r) times a block-diagonal (Out, S·r) matrix of
+the Bs — the base GEMM plus two thin ones.
 
 While an adapter is engaged (active, not merged, not disabled; or named by a row of
 ``adapter_rows``) the linear is a ``LoraLinear`` sharing the base ``weight`` and ``bias``
@@ -47,7 +50,7 @@ from ..modules.attention import MultiHeadAttention
 from ..modules.feedforward import FeedForward, SwiGLU
 from ..modules.linear_attention import LinearAttention
 from ..modules.quantized import QuantizedLinear
-from .config import LoraConfig
+from .config import ALL_LINEAR, LoraConfig, expand_targets
 from .lora_layers import LoraLinear, LoraState, LoraUpdate
 from .saving import refresh_save_guard
 
@@ -111,7 +114,11 @@ def lora_sites(model: nn.Module, fn: str = "qkv.peft") -> list[LoraSite]:
                 found.append(("q_proj", {"q": (0, q), "qkv": (0, q)}))
                 found.append(("kv_proj", {"k": (0, kv), "v": (kv, 2 * kv), "qkv": (0, 2 * kv)}))
             found.append(("out_proj", {"out": (0, mod.out_proj.out_features)}))
-        elif isinstance(mod, (FeedForward, SwiGLU)):
+        elif isinstance(mod, SwiGLU):  # fc_in's rows: [gate (F); up (F)]
+            f = mod.fc_out.in_features
+            found.append(("fc_in", {"ffn_in": (0, 2 * f), "gate": (0, f), "up": (f, 2 * f)}))
+            found.append(("fc_out", {"ffn_out": (0, mod.fc_out.out_features)}))
+        elif isinstance(mod, FeedForward):
             found.append(("fc_in", {"ffn_in": (0, mod.fc_in.out_features)}))
             found.append(("fc_out", {"ffn_out": (0, mod.fc_out.out_features)}))
         for attr, roles in found:
@@ -214,12 +221,22 @@ def _plan_segments(model: nn.Module, config: LoraConfig, name: str,
     for site in sites:
         roles = (config.targets if roles_by_site is None
                  else roles_by_site.get(plain_path(site.path), ()))
-        segs = [(role, *site.roles[role]) for role in roles if role in site.roles]
+        segs = [(role, *site.roles[role]) for role in expand_targets(roles, site.roles)]
         if not segs:
             continue
         used.update(role for role, _, _ in segs)
         plan.append((site, segs))
+    if used and ALL_LINEAR in config.targets:
+        used.add(ALL_LINEAR)
     missing = [t for t in config.targets if t not in used]
+    plain_ffn = [s for s in sites if isinstance(s.parent, FeedForward) and s.attr == "fc_in"]
+    if set(missing) & {"gate", "up"} and plain_ffn:
+        ffn = plain_ffn[0]
+        raise ValueError(f"add_lora: targets {config.targets}: 'gate' and 'up' are the row "
+                         f"blocks of a gated FFN's fused fc_in (SwiGLU: gate rows [0, F), up "
+                         f"[F, 2F)); {type(model).__name__} has no gated FFN "
+                         f"({plain_path(ffn.path)} is a plain FeedForward's C -> F "
+                         f"projection): target 'ffn_in' (or 'all-linear') instead")
     if missing:
         raise ValueError(f"add_lora: targets {missing} match no projection of "
                          f"{type(model).__name__} (targets {config.targets})")
