@@ -250,3 +250,32 @@ def test_int8_top1_agrees_with_fp32(loaded, name, tmp_path, capsys):
     with capsys.disabled():
         print(f"\n{name}: int8 top-1 agreement with fp32 {agree:.4f} (384 positions)")
     assert agree >= 0.99
+
+
+def test_a_window_longer_than_the_caches_decodes_on_the_plan(tmp_path):
+    """Mistral's window W: caches of at most W positions never drop a key, so the decode
+    plan serves the model (full causal attention); one more position and the window matters,
+    so the model decodes on its modules (with its window caches). Tokens equal HF's both
+    ways."""
+    import qkv
+    from qkv.generation.engine import choose
+
+    _, _, kw = FAMILIES["mistral"]
+    config = transformers.MistralConfig(**{**kw, "sliding_window": 38})
+    config._attn_implementation = "eager"
+    torch.manual_seed(5)
+    hf = transformers.MistralForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.3)
+    ours = from_pretrained(save_hf(hf, tmp_path / "m"))
+    assert choose(ours, 2, capacity=38).backend.name != "modules"
+    why = choose(ours, 2, capacity=39).why_no_plan
+    assert choose(ours, 2, capacity=39).backend.name == "modules" and "39" in why
+    ids, mask = left_padded(seed=4, lengths=(6, 4))
+    for new in (32, 40):  # capacity 38 (the plan) and 46 (the modules, the window)
+        with torch.no_grad():
+            theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=new,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+        mine = qkv.generate(ours, ids, attention_mask=mask, max_new_tokens=new)
+        assert torch.equal(mine[:, 6:], theirs[:, 6:]), new

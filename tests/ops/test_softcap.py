@@ -1,5 +1,5 @@
 """Attention-logit soft-capping (``qkv.attention(..., softcap=c)``, Gemma 2) on every backend
-that serves it, against an fp64 oracle written here (docs/ARCHITECTURE.md: Backends).
+that serves it, against an fp64 oracle written here (docs/ARCHITECTURE.md: Backends (attention)).
 
 Shapes: B batch, H query heads, Hkv key/value heads, N query length, S key length,
 D head dim, Dv value dim.

@@ -1,5 +1,6 @@
-"""``qkv generate`` (continue prompts with a trained GPT) and ``qkv translate`` (decode
-inputs with a trained encoder-decoder Transformer), from a run directory of ``qkv train``.
+"""``qkv generate`` (continue prompts with a trained GPT, or with a model directory) and
+``qkv translate`` (decode inputs with a trained encoder-decoder Transformer), from a run
+directory of ``qkv train``.
 
 A GPT trained on a pair task (run.json names a ``task``) answers each prompt the way it was
 trained — bos + prompt + eos, continued up to its eos — and prints the answer; a GPT trained
@@ -7,21 +8,39 @@ on plain text continues the text and prints prompt + continuation. Decoding is g
 default, beam search with ``--beams K``, sampling with ``--sample``. ``--int8`` decodes with the
 model quantized to int8 weights in memory (``qkv.quantize(model, "int8")``; the run directory
 is unchanged).
+
+A model directory (config.json + weights + a HuggingFace tokenizer.json, e.g. a HF
+checkpoint ``qkv.models.from_pretrained`` reads) is continued the same way (prompt +
+continuation; the prompt encoded as the tokenizer does by default, its special tokens
+included), or answers ``--chat`` questions through its chat template
+(``qkv.generation.chat``); it stops at the eos ids of its generation_config.json (else
+config.json, else tokenizer_config.json's ``eos_token``), and ``--stop`` adds to them.
+
+One output (one prompt or question, no beams) is printed as it is generated: the text of
+each new token once it is stable (a character whose bytes are still arriving waits for
+them), then the speed in tokens/s on stderr. Several outputs are printed at the end, one per
+line.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .checks import float_in, int_in, seed
 
 GENERATE_DESCRIPTION = """\
-Continue prompts with a GPT run of `qkv train`. A GPT trained on a pair task answers
+Continue prompts with a GPT run of `qkv train`, or with a model directory (config.json,
+weights and a HuggingFace tokenizer.json). A GPT trained on a pair task answers
 each prompt the way it was trained (bos + prompt + eos, continued up to its eos) and
-prints the answer; a GPT trained on plain text prints prompt + continuation.
+prints the answer; a GPT trained on plain text prints prompt + continuation. A model
+directory with a chat template answers --chat questions. One output is printed as it
+is generated (tokens/s on stderr).
 Greedy by default, beam search with --beams K, sampling with --sample."""
 
 TRANSLATE_DESCRIPTION = """\
@@ -35,9 +54,11 @@ GENERATE_EXAMPLES = """examples:
   qkv generate runs/shakespeare --prompt "Once" --prompt "Then" --top-p 0.9 --sample
   qkv generate runs/gpt-dates --prompt "March 3, 2021" --beams 4
   qkv generate runs/shakespeare --prompt "ROMEO:" --int8     # int8 weights, faster decoding
+  qkv generate models/qwen2-0.5b-instruct --chat "What is attention?" --system "Be brief."
 
-Prints one output per --prompt (in order). For a GPT trained on a task, the output is its
-answer; for a GPT trained on text, the prompt followed by its continuation.
+Prints one output per --prompt or --chat (in order). For a GPT trained on a task, the
+output is its answer; for a GPT trained on text or a model directory's --prompt, the prompt
+followed by its continuation; for --chat, the answer.
 """
 
 TRANSLATE_EXAMPLES = """examples:
@@ -55,9 +76,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="continue prompts with a trained GPT run",
                        description=GENERATE_DESCRIPTION, epilog=GENERATE_EXAMPLES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    g.add_argument("run", help="run directory written by `qkv train --model gpt`")
-    g.add_argument("--prompt", action="append", required=True,
-                   help="a prompt (repeat for several)")
+    g.add_argument("run", help="run directory written by `qkv train --model gpt`, or a model "
+                               "directory (config.json, weights, HF tokenizer.json)")
+    what = g.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    what.add_argument("--chat", action="append", metavar="QUESTION",
+                      help="model directories with a chat template: a question, asked as one "
+                           "user message through the template (repeat for several, each its "
+                           "own conversation)")
+    g.add_argument("--system", default=None, metavar="TEXT",
+                   help="with --chat: a system message before each question")
     _decoding_options(g)
     g.add_argument("--sample", action="store_true",
                    help="sample from the model's distribution instead of the argmax")
@@ -93,8 +121,8 @@ def _decoding_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--length-penalty", type=float_in(), default=1.0,
                    help="beam search: rank hypotheses by log-prob / length**P (default 1.0)")
     p.add_argument("--stop", action="append", default=[], metavar="TOKEN",
-                   help="also end an output at this token (one token of the run's tokenizer, "
-                        "e.g. '.'; kept in the output), repeatable; eos always ends it")
+                   help="also end an output at this token (one token of the run's or model's "
+                        "tokenizer, e.g. '.'; kept in the output), repeatable; eos always ends it")
     p.add_argument("--int8", action="store_true",
                    help="quantize the model's linear layers and LM head to int8 weights "
                         "(per-channel scales) in memory before decoding: faster on a CPU, "
@@ -208,10 +236,6 @@ def _load(run: str, want: str, int8: bool = False) -> tuple[Any, Any, dict]:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    import torch
-
-    from ..generation import complete
-    from ..train.checkpoint import trained_on_pairs
     from . import UserError
 
     sampling = [f for f, v in (("--temperature", args.temperature), ("--top-k", args.top_k),
@@ -223,21 +247,263 @@ def _run_generate(args: argparse.Namespace) -> int:
                         f"with --sample")
     if args.sample and args.beams > 1:
         raise UserError("--sample and --beams > 1 cannot be combined")
+    if args.system is not None and args.chat is None:
+        raise UserError("--system applies only with --chat")
+    if _is_model_directory(Path(args.run)):
+        return _generate_model_directory(args)
+    if args.chat is not None:
+        raise UserError(f"--chat needs a model directory with a chat template (a HuggingFace "
+                        f"tokenizer.json and its chat template); {args.run} is a `qkv train` "
+                        f"run, whose prompts are given with --prompt")
+    return _generate_run(args)
+
+
+def _decoding(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``qkv.generate`` options of the command line."""
+    import torch
+
+    generator = None if args.seed is None else torch.Generator().manual_seed(args.seed)
+    return dict(num_beams=args.beams, length_penalty=args.length_penalty,
+                do_sample=args.sample,
+                temperature=1.0 if args.temperature is None else args.temperature,
+                top_k=args.top_k, top_p=args.top_p, generator=generator)
+
+
+def _generate_run(args: argparse.Namespace) -> int:
+    from ..generation import complete
+    from ..train.checkpoint import trained_on_pairs
+
     model, tok, info = _load(args.run, "gpt", args.int8)
     warn_unknown(tok, args.prompt)
     framed = trained_on_pairs(info)
-    _check_sizes(model, [[tok.bos_id, *tok.encode(p), tok.eos_id] if framed else tok.encode(p)
-                         for p in args.prompt], args)
-    generator = None if args.seed is None else torch.Generator().manual_seed(args.seed)
+    rows = [[tok.bos_id, *tok.encode(p), tok.eos_id] if framed else tok.encode(p)
+            for p in args.prompt]
+    _check_sizes(model, rows, args)
+    decoding = _decoding(args)
+    stream = None
+    if len(rows) == 1 and args.beams == 1:
+        stream = _Stream(tok.decode, head=[] if framed else rows[0], ends={tok.eos_id},
+                         lead="" if framed else args.prompt[0])
+        decoding["streamer"] = stream
     outputs = complete(model, tok, args.prompt, framed=framed,
-                       max_new_tokens=args.max_new_tokens, num_beams=args.beams,
-                       length_penalty=args.length_penalty, do_sample=args.sample,
-                       temperature=1.0 if args.temperature is None else args.temperature,
-                       top_k=args.top_k, top_p=args.top_p, generator=generator,
-                       stop_tokens=_stop_tokens(tok, args.stop))
+                       max_new_tokens=args.max_new_tokens,
+                       stop_tokens=_stop_tokens(tok, args.stop), **decoding)
+    _print(outputs, stream)
+    return 0
+
+
+def _print(outputs: list[str], stream: _Stream | None) -> None:
+    if stream is not None:
+        stream.finish(outputs[0])
+        return
     print("\n".join(outputs))
     sys.stdout.flush()
+
+
+class _Stream:
+    """``qkv.generate``'s streamer for one output: writes ``lead`` (the prompt as typed, or
+    nothing) and the text the new tokens add after ``head`` (the ids it continues; their text
+    is not printed again) as the tokens arrive, until a token of ``ends``. Only stable text is
+    written: the decoding of every new token so far less what was written, without its
+    trailing U+FFFD (the bytes of a character not all generated yet), and only where it
+    extends what was written. ``finish`` writes the rest of the final output and the speed."""
+
+    def __init__(self, decode: Callable[[list[int]], str], *, head: list[int],
+                 ends: set[int], lead: str) -> None:
+        self.decode, self.head, self.ends, self.lead = decode, head, ends, lead
+        self.base = decode(head) if head else ""
+        self.ids: list[int] = []
+        self.shown = ""  # written so far
+        self.ended = False
+        self.count = 0  # tokens generated (the stop token included)
+        self.start = time.perf_counter()
+        self.first: float | None = None
+
+    def text(self) -> str:
+        """The text of the new tokens so far (as ``qkv.generation.text._continuation``)."""
+        if not self.head:
+            return self.decode(self.ids)
+        whole = self.decode(self.head + self.ids)
+        return whole[len(self.base):] if whole.startswith(self.base) else self.decode(self.ids)
+
+    def __call__(self, tokens: Any) -> None:  # tokens (1,): the one row's new token
+        if self.first is None:
+            self.first = time.perf_counter()
+        self.count += 1
+        tok = int(tokens[0])
+        if self.ended or tok in self.ends:
+            self.ended = True
+            return
+        self.ids.append(tok)
+        self._write((self.lead + self.text()).rstrip("\ufffd"))
+
+    def _write(self, text: str) -> None:
+        if len(text) > len(self.shown) and text.startswith(self.shown):
+            sys.stdout.write(text[len(self.shown):])
+            sys.stdout.flush()
+            self.shown = text
+
+    def finish(self, final: str) -> None:
+        """Write what ``final`` (the output as printed without streaming) has beyond what
+        was written, a newline, and the tokens/s on stderr."""
+        seconds = time.perf_counter() - self.start
+        if final.startswith(self.shown):
+            sys.stdout.write(final[len(self.shown):] + "\n")
+        else:  # a tokenizer whose decoding changed text already written: print it whole
+            print("qkv: warning: the streamed text changed as more tokens came; the output "
+                  "follows whole", file=sys.stderr)
+            sys.stdout.write("\n" + final + "\n")
+        sys.stdout.flush()
+        first = "" if self.first is None else (
+            f", the first after {self.first - self.start:.2f} s")
+        print(f"qkv: {self.count} tokens in {seconds:.2f} s "
+              f"({self.count / max(seconds, 1e-9):.1f} tokens/s{first})", file=sys.stderr)
+
+
+def _is_model_directory(path: Path) -> bool:
+    """A model directory (a HuggingFace tokenizer.json in it) rather than a `qkv train` run
+    (whose tokenizer.json is qkv's own, with a "kind")."""
+    tok = path / "tokenizer.json"
+    if not tok.is_file():
+        return False
+    try:
+        data = json.loads(tok.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False  # the run's reader says what is wrong with it
+    return isinstance(data, dict) and "kind" not in data and "model" in data
+
+
+def _generate_model_directory(args: argparse.Namespace) -> int:
+    """``qkv generate DIR``: --prompt continued, or --chat answered through the template."""
+    from ..generation.chat import chat_prompt_ids, read_chat_template, read_special_tokens
+    from ..models.hub import load_tokenizer
+    from . import UserError
+
+    path = Path(args.run)
+    model = _load_decoder(path, args.int8)
+    tok = load_tokenizer(path)
+    specials = read_special_tokens(path)
+    ends, pad = _directory_stops(path, tok, specials)
+    stops = _directory_stop_tokens(tok, args.stop)
+    texts = args.chat if args.chat is not None else args.prompt
+    if args.chat is not None:
+        template = read_chat_template(path)
+        if template is None:
+            raise UserError(f"--chat: {path} has no chat template (no chat_template in "
+                            f"tokenizer_config.json, no chat_template.jinja): it is not a chat "
+                            f"model; continue text with --prompt")
+        system = [] if args.system is None else [{"role": "system", "content": args.system}]
+        rows = [chat_prompt_ids(tok, [*system, {"role": "user", "content": q}],
+                                chat_template=template, **specials) for q in texts]
+    else:
+        rows = [tok.encode(p).ids for p in texts]
+        if any(not r for r in rows):
+            raise UserError("a prompt is empty: give at least one token to continue")
+    _check_sizes(model, rows, args)
+
+    def decode(ids: list[int]) -> str:
+        return tok.decode(ids, skip_special_tokens=True)
+
+    decoding = _decoding(args)
+    stream = None
+    chat = args.chat is not None
+    if len(rows) == 1 and args.beams == 1:
+        stream = _Stream(decode, head=[] if chat else rows[0], ends=set(ends),
+                         lead="" if chat else texts[0])
+        decoding["streamer"] = stream
+    news = _complete_rows(model, rows, ends, pad, stops, args.max_new_tokens, decoding)
+    outputs = [decode(new) if chat else text + _added_text(decode, row, new)
+               for row, new, text in zip(rows, news, texts, strict=True)]
+    _print(outputs, stream)
     return 0
+
+
+def _load_decoder(path: Path, int8: bool) -> Any:
+    from ..models import Transformer, from_pretrained
+    from . import UserError
+
+    model = from_pretrained(path)
+    if isinstance(model, Transformer) or not callable(getattr(model, "new_cache", None)):
+        raise UserError(f"{path} holds a {type(model).__name__} model; qkv generate needs a "
+                        f"decoder-only model (GPT-like)")
+    if int8:
+        from ..generation.quantize import quantize
+
+        try:
+            quantize(model.float().cpu(), "int8")
+        except (TypeError, ValueError) as err:
+            raise UserError(f"--int8: {err}") from None
+    return model
+
+
+def _directory_stops(path: Path, tok: Any, specials: dict[str, str]
+                     ) -> tuple[tuple[int, ...], int]:
+    """(the eos ids of a model directory, the pad id): ``stop_token_ids``; the pad of
+    generation_config.json, else tokenizer_config.json's ``pad_token``, else the first eos."""
+    from ..generation.chat import read_generation_config, stop_token_ids
+
+    ends = stop_token_ids(path, tok) or ()
+    pad = read_generation_config(path).pad_token_id
+    if pad is None and "pad_token" in specials:
+        pad = tok.token_to_id(specials["pad_token"])
+    if pad is None:
+        pad = ends[0] if ends else 0
+    return ends, pad
+
+
+def _directory_stop_tokens(tok: Any, stops: list[str]) -> list[int]:
+    """Token ids of the --stop texts for a HuggingFace tokenizer: each exactly one token."""
+    from . import UserError
+
+    ids = []
+    for text in stops:
+        enc = tok.encode(text, add_special_tokens=False)
+        if len(enc.ids) != 1:
+            shown = " ".join(repr(t) for t in enc.tokens) or "no token"
+            raise UserError(f"--stop {text!r} is {len(enc.ids)} tokens of this model's "
+                            f"tokenizer ({shown}); a stop token must be exactly one token")
+        ids.append(enc.ids[0])
+    return ids
+
+
+def _complete_rows(model: Any, rows: list[list[int]], ends: tuple[int, ...], pad: int,
+                   stops: list[int], max_new_tokens: int | None,
+                   decoding: dict[str, Any]) -> list[list[int]]:
+    """The new ids of each prompt (left-padded in batches of 64), cut before its first eos
+    or after its first --stop token, up to ``max_new_tokens`` (default what ``max_len``
+    leaves, at most 100)."""
+    import torch
+
+    from ..generation import generate
+    from ..generation.text import DEFAULT_MAX_NEW_TOKENS
+
+    width = max(len(r) for r in rows)
+    room = model.config.max_len - width + 1
+    if room < 1:
+        raise ValueError(f"a prompt of {width} tokens does not fit the model's max_len="
+                         f"{model.config.max_len}")
+    budget = max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, room)
+    device = next(model.parameters()).device
+    out = []
+    for start in range(0, len(rows), 64):
+        batch = rows[start:start + 64]
+        n = max(len(r) for r in batch)
+        ids = torch.tensor([[pad] * (n - len(r)) + r for r in batch], device=device)  # (B, N)
+        keep = torch.tensor([[0] * (n - len(r)) + [1] * len(r) for r in batch], device=device)
+        res = generate(model, ids, attention_mask=keep, max_new_tokens=budget,
+                       eos_token_id=[*ends, *stops] or None, pad_token_id=pad,
+                       **decoding)  # (B, N + T)
+        for new in res[:, n:].tolist():
+            cut = next((i + (t not in ends) for i, t in enumerate(new)
+                        if t in ends or t in stops), len(new))
+            out.append(new[:cut])
+    return out
+
+
+def _added_text(decode: Callable[[list[int]], str], prompt: list[int], new: list[int]) -> str:
+    """The text ``new`` adds after ``prompt`` (decoded together, less the prompt's own)."""
+    whole, head = decode(prompt + new), decode(prompt)
+    return whole[len(head):] if whole.startswith(head) else decode(new)
 
 
 def _inputs(args: argparse.Namespace) -> list[str]:

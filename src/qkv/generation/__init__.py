@@ -11,14 +11,30 @@ plan, each declaring what it supports), ``engine`` (``decoder_stepper``, ``expla
 torch ops, once) over ``linears`` (dense, oneDNN-packed, int8 weights), ``c_layer`` (the layer
 as one C call), ``prefill`` (a padded prompt on its real tokens), and the optional C kernels
 (``attention_kernel``, ``gemv_kernel``, ``int8_kernel``, ``row_step_kernel``; built by
-``c_kernels``). ``text``: ``translate`` / ``complete``, strings in and out.
+``c_kernels``). ``text``: ``translate`` / ``complete``, strings in and out. ``chat``: chat
+templates rendered as transformers renders them (``render_chat``, ``chat_prompt_ids``), the
+stop tokens of a model directory (``stop_token_ids``, ``read_generation_config``) and
+``chat`` (a conversation in, the answer out; the name ``qkv.generation.chat`` is that
+function: import the module's other names with ``from qkv.generation.chat import ...``).
 """
 
 from .api import generate
+from .chat import (
+    ChatTemplateError,
+    chat,
+    chat_prompt_ids,
+    read_chat_template,
+    read_generation_config,
+    read_special_tokens,
+    render_chat,
+    stop_token_ids,
+)
 from .engine import explain
 from .search import filter_logits
 from .steppers import reorder_cache
 from .text import complete, complete_ids, translate, translate_ids
 
-__all__ = ["complete", "complete_ids", "explain", "filter_logits", "generate", "reorder_cache",
-           "translate", "translate_ids"]
+__all__ = ["ChatTemplateError", "chat", "chat_prompt_ids", "complete", "complete_ids", "explain",
+           "filter_logits", "generate", "read_chat_template", "read_generation_config",
+           "read_special_tokens", "render_chat", "reorder_cache", "stop_token_ids", "translate",
+           "translate_ids"]

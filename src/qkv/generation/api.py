@@ -7,7 +7,7 @@ Shapes: B batch, N prompt length, S source length, K beams, T new tokens, V voca
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -142,7 +142,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
              generator: torch.Generator | None = None, use_cache: bool = True,
              prompt_lookup_num_tokens: int | None = None,
              max_matching_ngram_size: int | None = None,
-             draft_model: nn.Module | None = None, num_draft_tokens: int = 5) -> Tensor:
+             draft_model: nn.Module | None = None, num_draft_tokens: int = 5,
+             streamer: Callable[[Tensor], object] | None = None) -> Tensor:
     """Generate tokens with a decoder-only model (``qkv.models.GPT``, or anything with its
     interface) or an encoder-decoder ``qkv.models.Transformer``.
 
@@ -190,6 +191,17 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
             (``qkv.generation.speculative``). None: off.
         num_draft_tokens: k >= 1, the most tokens the draft proposes per round (default 5);
             only with ``draft_model``.
+        streamer: a callable that receives the new tokens as they are produced: once per
+            new output column, with that column (B,) int64 on the output's device (the
+            token each row produced, ``pad_token_id`` in rows that have finished), so that
+            its T calls stacked along dim 1 equal the returned new tokens (``out[:, N:]``
+            for a GPT, ``out[:, 1:]`` for a Transformer: neither the prompt nor the start
+            token is streamed). Greedy and sampling call it after every step; prompt
+            lookup after every column of a verified block (a block's columns arrive one
+            call each, in a burst). Beam search refuses it (a beam's tokens are only final
+            when the search ends; HF refuses too), and so does speculative decoding (its
+            rounds emit their tokens inside the loop). What it returns is ignored; what it
+            raises ends the call.
 
     Returns:
         GPT: (B, N + T) int64, the prompt then the new tokens (as HF's ``generate``);
@@ -215,20 +227,23 @@ any way (even in place through ``.data`` or numpy) is decoded as edited by the n
         ``prompt_lookup_num_tokens`` < 1 or with beams or sampling); TypeError for prompt
         lookup on a model whose caches cannot roll back (sliding-window, linear attention);
         ValueError for ``draft_model`` with beams, prompt lookup, an encoder-decoder,
-        ``use_cache=False`` or another vocabulary size, or ``num_draft_tokens`` not an int >= 1.
+        ``use_cache=False`` or another vocabulary size, or ``num_draft_tokens`` not an int >= 1;
+        TypeError for a ``streamer`` that is not callable, ValueError for one with beams or
+        ``draft_model``.
     """
     _check_args(num_beams, length_penalty, do_sample, temperature, top_k, top_p, generator,
                 use_cache, max_new_tokens)
     lookup = _check_lookup(prompt_lookup_num_tokens, max_matching_ngram_size, num_beams,
                            do_sample)
     draft = _check_draft(draft_model, num_draft_tokens, model, num_beams, lookup, use_cache)
+    _check_streamer(streamer, num_beams, draft)
     ids = _check_ids(input_ids)
     eos_token_id = _stop_ids(eos_token_id)
     if isinstance(model, Transformer):
         out = _generate_seq2seq(model, ids, attention_mask, max_new_tokens, num_beams,
                                 length_penalty, do_sample, temperature, top_k, top_p,
                                 eos_token_id, pad_token_id, decoder_start_token_id, generator,
-                                use_cache, lookup)
+                                use_cache, lookup, streamer)
     elif isinstance(model, nn.Module) and callable(getattr(model, "new_cache", None)):
         if decoder_start_token_id is not None:
             raise ValueError("generate: decoder_start_token_id is for encoder-decoder models; "
@@ -236,12 +251,73 @@ any way (even in place through ``.data`` or numpy) is decoded as edited by the n
         out = _generate_decoder(model, ids, attention_mask, max_new_tokens, num_beams,
                                 length_penalty, do_sample, temperature, top_k, top_p,
                                 eos_token_id, pad_token_id, generator, use_cache, lookup,
-                                draft)
+                                draft, streamer)
     else:
         raise TypeError(f"generate: model must be a qkv.models.GPT (or a decoder with "
                         f"forward(ids, attention_mask=, cache=) and new_cache(batch, "
                         f"capacity)) or a qkv.models.Transformer, got {type(model).__name__}")
     return out.clone()  # a normal tensor, not an inference tensor
+
+
+def _check_streamer(streamer: Any, num_beams: int, draft: Any) -> None:
+    """TypeError for a streamer that is not callable; ValueError where nothing can stream."""
+    if streamer is None:
+        return
+    if not callable(streamer):
+        raise TypeError(f"generate: streamer must be a callable taking each new column of "
+                        f"tokens (B,), got {type(streamer).__name__}")
+    if num_beams > 1:
+        raise ValueError(f"generate: streamer cannot be used with num_beams={num_beams}: a "
+                         f"beam's tokens are only final when the search ends (as HF's "
+                         f"generate); stream with num_beams=1")
+    if draft is not None:
+        raise ValueError("generate: streamer is not supported with draft_model (speculative "
+                         "decoding emits its tokens inside its rounds); stream without "
+                         "draft_model, or with prompt_lookup_num_tokens")
+
+
+class _Columns:
+    """Assembles the tokens prompt lookup appends to each row's lookup text (in order, the
+    rows' own tokens only) into output columns (R,) for a streamer: a column is complete
+    when every row has its token there or had ended (its stop token) before it; columns
+    where every row has ended are never produced (prompt lookup's output ends there too)."""
+
+    def __init__(self, rows: int, stops: tuple[int, ...] | None, pad: int,
+                 device: torch.device, streamer: Callable[[Tensor], object]) -> None:
+        self.got: list[list[int]] = [[] for _ in range(rows)]
+        self.end: list[int | None] = [None] * rows  # tokens up to and with its stop token
+        self.stops = frozenset(stops or ())
+        self.pad, self.device, self.streamer = pad, device, streamer
+        self.sent = 0  # columns streamed
+
+    def add(self, row: int, tok: int) -> None:
+        got = self.got[row]
+        got.append(tok)
+        if tok in self.stops and self.end[row] is None:
+            self.end[row] = len(got)
+        c = self.sent
+        while (any(len(g) > c for g in self.got)
+               and all(len(g) > c or (e is not None and e <= c)
+                       for g, e in zip(self.got, self.end, strict=True))):
+            column = [g[c] if len(g) > c else self.pad for g in self.got]
+            self.streamer(torch.tensor(column, dtype=torch.long, device=self.device))
+            c = self.sent = c + 1
+
+
+class _StreamedText(NgramIndex):
+    """A row's lookup text that also hands every token appended after its initial segments
+    (the tokens prompt lookup emits for the row, in order) to ``columns``."""
+
+    def __init__(self, ngram: int, segments: list[list[int]], columns: _Columns,
+                 row: int) -> None:
+        self.columns: _Columns | None = None  # the initial segments are not streamed
+        super().__init__(ngram, segments)
+        self.columns, self.row = columns, row
+
+    def append(self, tok: int) -> None:
+        super().append(tok)
+        if self.columns is not None:
+            self.columns.add(self.row, tok)
 
 
 def _check_lookup(k: Any, ngram: Any, num_beams: int, do_sample: bool
@@ -290,33 +366,38 @@ def _check_draft(draft_model: Any, k: Any, model: Any, num_beams: int,
 
 
 def _lookup(stepper, segments: list[list[list[int]]], lookup: tuple[int, int],
-            max_new_tokens: int, eos, pad: int, device: torch.device) -> Tensor:
+            max_new_tokens: int, eos, pad: int, device: torch.device,
+            streamer: Callable[[Tensor], object] | None = None) -> Tensor:
     """Prompt-lookup greedy decoding: one lookup text (a list of segments) per row."""
     k, ngram = lookup
     cache = getattr(stepper, "cache", None)
     if cache is not None:
         check_truncatable(cache)
+    if streamer is None:
+        texts = [NgramIndex(ngram, segs) for segs in segments]
+    else:
+        columns = _Columns(len(segments), eos, pad, device, streamer)
+        texts = [_StreamedText(ngram, segs, columns, r) for r, segs in enumerate(segments)]
     eos = None if eos is None else torch.tensor(eos, dtype=torch.long, device=device)
-    texts = [NgramIndex(ngram, segs) for segs in segments]
     return prompt_lookup_greedy(stepper, texts, max_new_tokens, num_tokens=k, eos=eos,
                                 pad=pad, device=device)
 
 
 def _search(stepper, rows: int, num_beams: int, max_new_tokens: int, length_penalty: float,
             do_sample: bool, temperature: float, top_k, top_p, eos, pad: int, generator,
-            device: torch.device) -> Tensor:
+            device: torch.device, streamer=None) -> Tensor:
     eos = None if eos is None else torch.tensor(eos, dtype=torch.long, device=device)
     if num_beams > 1:
         return beam_search(stepper, rows, num_beams, max_new_tokens,
                            length_penalty=length_penalty, eos=eos, pad=pad, device=device)
     return greedy_or_sample(stepper, rows, max_new_tokens, do_sample=do_sample,
                             temperature=temperature, top_k=top_k, top_p=top_p, eos=eos,
-                            pad=pad, generator=generator, device=device)
+                            pad=pad, generator=generator, device=device, streamer=streamer)
 
 
 def _generate_decoder(model, ids, attention_mask, max_new_tokens, num_beams, length_penalty,
                       do_sample, temperature, top_k, top_p, eos, pad, generator,
-                      use_cache, lookup, draft=None) -> Tensor:
+                      use_cache, lookup, draft=None, streamer=None) -> Tensor:
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
     if isinstance(vocab, int):
@@ -353,16 +434,16 @@ def _generate_decoder(model, ids, attention_mask, max_new_tokens, num_beams, len
             real = ids.tolist() if keep is None else [
                 row[k].tolist() for row, k in zip(ids, keep, strict=True)]
             new = _lookup(stepper, [[r] for r in real], lookup, max_new_tokens, eos, pad,
-                          ids.device)
+                          ids.device, streamer)
             return torch.cat((ids, new), dim=1)
         new = _search(stepper, batch, num_beams, max_new_tokens, length_penalty, do_sample,
-                      temperature, top_k, top_p, eos, pad, generator, ids.device)
+                      temperature, top_k, top_p, eos, pad, generator, ids.device, streamer)
         return torch.cat((ids, new), dim=1)
 
 
 def _generate_seq2seq(model, src, attention_mask, max_new_tokens, num_beams, length_penalty,
                       do_sample, temperature, top_k, top_p, eos, pad, start, generator,
-                      use_cache, lookup) -> Tensor:
+                      use_cache, lookup, streamer=None) -> Tensor:
     c = model.config
     eos = (c.eos_id,) if eos is None else eos
     pad = c.pad_id if pad is None else pad
@@ -380,10 +461,11 @@ def _generate_seq2seq(model, src, attention_mask, max_new_tokens, num_beams, len
         if lookup is not None:
             keep = src != c.pad_id if src_mask is None else src_mask
             segments = [[row[k].tolist(), [start]] for row, k in zip(src, keep, strict=True)]
-            new = _lookup(stepper, segments, lookup, max_new_tokens, eos, pad, src.device)
+            new = _lookup(stepper, segments, lookup, max_new_tokens, eos, pad, src.device,
+                          streamer)
         else:
             new = _search(stepper, src.shape[0], num_beams, max_new_tokens, length_penalty,
                           do_sample, temperature, top_k, top_p, eos, pad, generator,
-                          src.device)
+                          src.device, streamer)
         first = torch.full((src.shape[0], 1), start, dtype=torch.long, device=src.device)
         return torch.cat((first, new), dim=1)

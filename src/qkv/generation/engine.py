@@ -84,7 +84,7 @@ def _measuring(measure: bool | None) -> bool:
 def _shape_key(plan: DecodePlan) -> tuple:
     return (len(plan.layers), plan.width, plan.heads, plan.kv_heads, plan.head_dim, plan.ffn,
             plan.vocab, plan.activation, plan.gated, plan.norm_kind, plan.int8, plan.dtype,
-            plan.rope is not None, plan.device.type)
+            plan.rope is not None, plan.qk_norm, plan.device.type)
 
 
 def step_seconds(backend: Backend, plan: DecodePlan, rows: int) -> float:
@@ -93,6 +93,9 @@ def step_seconds(backend: Backend, plan: DecodePlan, rows: int) -> float:
     n = 8
     if plan.pos_table is not None:
         n = max(1, min(n, plan.pos_table.shape[0] - MEASURE_STEPS - 2))
+    window = plan.model.config.attention_window  # planned only for caches within it
+    if window is not None:
+        n = max(1, min(n, window - MEASURE_STEPS - 1))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, plan.vocab, (rows, n), generator=g).to(plan.device)
     times = []
@@ -115,9 +118,10 @@ def _measure(plan: DecodePlan, rows: int, threads: int, backends: list[Backend]
     return _MEASURED[key]
 
 
-def _plan(model: nn.Module) -> tuple[DecodePlan | None, str | None]:
+def _plan(model: nn.Module, capacity: int | None = None
+          ) -> tuple[DecodePlan | None, str | None]:
     try:
-        return decode_plan(model), None
+        return decode_plan(model, capacity), None
     except Unplannable as e:
         return None, str(e)
 
@@ -125,7 +129,7 @@ def _plan(model: nn.Module) -> tuple[DecodePlan | None, str | None]:
 def choose(model: nn.Module, rows: int, *, dtype: torch.dtype | None = None,
            device: torch.device | str | None = None, threads: int | None = None,
            backend: str | None = None, measure: bool | None = None,
-           multi_token: bool = False) -> Choice:
+           multi_token: bool = False, capacity: int | None = None) -> Choice:
     """The backend that decodes ``model`` for ``rows`` rows, with the reasons the earlier ones
     refused. ``dtype``/``device`` default to the model's embedding's, ``threads`` to
     ``torch.get_num_threads()``. ``backend`` forces one by name (ValueError when it refuses,
@@ -133,8 +137,9 @@ def choose(model: nn.Module, rows: int, *, dtype: torch.dtype | None = None,
     each other and run the fastest (module docstring); False: the first accepting one runs;
     None: measure unless ``QKV_DECODE_MEASURE=0``. ``multi_token``: the caller feeds several
     tokens per ``run`` (prompt lookup, speculative verification): backends that feed one
-    token per call (``Backend.one_token_only``) refuse."""
-    plan, why_no_plan = _plan(model)
+    token per call (``Backend.one_token_only``) refuse. ``capacity``: the caches' positions
+    (a sliding-window model is planned when they fit in its window, ``decode_plan``)."""
+    plan, why_no_plan = _plan(model, capacity)
     weight = next((p for p in model.parameters()), None)
     if dtype is None:
         dtype = plan.dtype if plan is not None else getattr(weight, "dtype", torch.float32)
@@ -184,7 +189,7 @@ def decoder_stepper(model: nn.Module, ids: Tensor, keep: Tensor | None, capacity
     positions; its ``backend`` attribute names the backend that runs. ``backend`` forces one
     by name (tests, benchmarks); ``multi_token`` as for ``choose``."""
     choice = choose(model, ids.shape[0], device=ids.device, backend=backend,
-                    multi_token=multi_token)
+                    multi_token=multi_token, capacity=capacity)
     return choice.backend.stepper(choice.plan, model, ids, keep, capacity)
 
 

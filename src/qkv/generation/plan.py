@@ -46,6 +46,8 @@ _KNOWN = {"vocab_size", "max_len", "dim", "num_layers", "num_heads", "num_kv_hea
           "ffn_hidden", "activation", "norm", "norm_eps", "positions", "dropout",
           "attn_dropout", "bias", "tie_embeddings", "attention_head_dim", "rope_base",
           "rope_scaling", "qkv_bias", "out_bias", "ffn_bias", "qk_norm", "embed_scale"}
+# the window fields, planned only for caches no longer than the window (``decode_plan``)
+_WINDOW = {"attention_window", "windowed_layers"}
 
 
 PLAN_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
@@ -226,12 +228,15 @@ def _layer(layer: nn.Module, i: int, c: GPTConfig, rope: RoPE | None) -> LayerPl
                      *(qk or (None, None)))
 
 
-def decode_plan(model: object) -> DecodePlan:
+def decode_plan(model: object, capacity: int | None = None) -> DecodePlan:
     """The plan of ``model``: a ``qkv.models.GPT`` of plain parts (pre-norm ``EncoderLayer``s
     with a fused-QKV ``MultiHeadAttention`` on sdpa/auto, ``FeedForward`` or ``SwiGLU``,
     ``LayerNorm`` or ``RMSNorm``, every projection an ``nn.Linear``, or every one and the head
     a ``QuantizedLinear``), fp32/fp64/bf16 embeddings (``PLAN_DTYPES``), no hooks, no active
-    dropout and no config variant the plan does not know.
+    dropout and no config variant the plan does not know. A sliding window
+    (``attention_window``, ``windowed_layers``) is planned when ``capacity`` (the positions
+    the caches will hold) is at most the window: no key then ever leaves a query's window,
+    and the model computes full causal attention.
 
     Raises:
         Unplannable naming the first part that is not described (the model decodes on the
@@ -244,9 +249,16 @@ def decode_plan(model: object) -> DecodePlan:
     if hooked is not None:  # a plan calls no module: the hook would silently not run
         raise Unplannable(f"{hooked} has hooks (forward hooks run only on the module path)")
     c = model.config
+    covered = capacity is not None and c.attention_window is not None \
+        and capacity <= c.attention_window  # no key ever leaves a window: full causal
     for f in dataclasses.fields(GPTConfig):
+        if f.name in _WINDOW and covered:
+            continue
         if f.name not in _KNOWN and getattr(c, f.name) != f.default:
-            raise Unplannable(f"config.{f.name}={getattr(c, f.name)!r} (no plan for it)")
+            why = (f" beyond a capacity of {capacity}" if f.name in _WINDOW
+                   and capacity is not None else "")
+            raise Unplannable(f"config.{f.name}={getattr(c, f.name)!r} (no plan for it"
+                              f"{why})")
     if model.training and (c.dropout or c.attn_dropout):
         raise Unplannable("dropout is active (model.training with dropout > 0)")
     dtype = model.embed.weight.dtype

@@ -10,6 +10,7 @@ id after their eos. The loops stop early once every row has ended.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -98,9 +99,13 @@ def filter_logits(logits: Tensor, *, temperature: float, top_k: int | None,
 def greedy_or_sample(stepper: Stepper, rows: int, max_new_tokens: int, *, do_sample: bool,
                      temperature: float, top_k: int | None, top_p: float | None,
                      eos: Tensor | None, pad: int, generator: torch.Generator | None,
-                     device: torch.device) -> Tensor:
+                     device: torch.device,
+                     streamer: Callable[[Tensor], object] | None = None) -> Tensor:
     """Greedy (argmax) or sampled decoding; returns the new tokens (R, T), T <=
-    ``max_new_tokens`` (fewer when every row reached ``eos``)."""
+    ``max_new_tokens`` (fewer when every row reached ``eos``). ``streamer``, if given, is
+    called after each step with that step's tokens (R,) int64, the output column just
+    written (``pad`` in rows that have ended), so that its T calls stacked along dim 1 are
+    the returned tensor."""
     out = torch.full((rows, max_new_tokens), pad, dtype=torch.long, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device) if eos is not None else None
     logits = stepper.prefill()
@@ -115,6 +120,8 @@ def greedy_or_sample(stepper: Stepper, rows: int, max_new_tokens: int, *, do_sam
             tokens = tokens.masked_fill(finished, pad)
             finished |= torch.isin(tokens, eos)
         out[:, t] = tokens
+        if streamer is not None:
+            streamer(tokens.clone())  # its own copy: the loop feeds ``tokens`` on
         if finished is not None and bool(finished.all()):
             return out[:, :t + 1]
         if t + 1 < max_new_tokens:

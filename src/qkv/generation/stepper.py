@@ -60,7 +60,12 @@ class PlanStepper:
         if capacity < n:
             raise ValueError(f"PlanStepper: capacity {capacity} < the prompt's {n} positions")
         self.rows, self.length, self.prompt, self.capacity = rows, n, n, capacity
-        self.cache = model.new_cache(rows, capacity)
+        window = model.config.attention_window
+        if window is not None and capacity > window:
+            raise ValueError(f"PlanStepper: capacity {capacity} > the model's window {window} "
+                             f"(a plan computes full causal attention; decode_plan says so)")
+        # plain caches on every layer (a window no cache outgrows keeps every key)
+        self.cache = [layer.attn.new_cache(rows, capacity) for layer in model.layers]
         if not all(type(kc) is KVCache and kc.keys.is_contiguous() for kc in self.cache):
             raise TypeError("PlanStepper: GPT.new_cache did not return contiguous KVCaches")
         self.bias = padding_bias(keep, plan.kv_heads, capacity, plan.dtype)
