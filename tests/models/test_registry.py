@@ -263,17 +263,18 @@ def test_door_loads_a_flamingo_directory(tmp_path):
 
 def test_unknown_model_type_is_one_error_listing_the_known_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+        {"model_type": "falcon", "architectures": ["FalconForCausalLM"]}))
     with pytest.raises(CheckpointError) as info:
         from_pretrained(tmp_path)
     msg = str(info.value)
-    assert "'llama'" in msg and "LlamaForCausalLM" in msg
+    assert "'falcon'" in msg and "FalconForCausalLM" in msg
     for known in registry.known_model_types():
         assert known in msg
-    with pytest.raises(CheckpointError, match=r"model_type None .*known: bert, clip, gpt2"):
+    with pytest.raises(CheckpointError, match=r"model_type None .*known: bert, clip, gemma, "):
         registry.entry_for(None)
     with pytest.raises(CheckpointError, match=r"not supported; supported: \['bert', 'clip', "
-                                              r"'gpt2', 'vit'\]"):
+                                              r"'gemma', 'gemma2', 'gpt2', 'llama', "
+                                              r"'mistral', 'phi3', 'qwen2', 'qwen3', 'vit'\]"):
         qkv.models.from_hf(tmp_path)
 
 
@@ -324,8 +325,9 @@ def test_a_registered_reader_reads_its_mark_with_device_and_dtype(tmp_path, monk
 def test_entries_agree_with_their_classes():
     for entry in registry.ENTRIES:
         assert entry.model_type == entry.config_class.MODEL_TYPE
-        mapping = getattr(entry.model_class, "hf_mapping", None)
-        assert entry.hf_model_types == (() if mapping is None else (mapping.model_type,))
+        readers = getattr(entry.model_class, "hf_mappings", ()) or tuple(
+            m for m in (getattr(entry.model_class, "hf_mapping", None),) if m is not None)
+        assert entry.hf_model_types == tuple(m.model_type for m in readers)
         assert entry.quantizable == bool(getattr(entry.model_class, "quantizable", False))
         assert registry.model_class(entry.model_type) is entry.model_class
     assert {e.model_type for e in registry.ENTRIES if e.quantizable} == {
@@ -334,6 +336,7 @@ def test_entries_agree_with_their_classes():
         registry.ModelEntry("qkv-vit", ViTConfig, ViT, ("vit",), quantizable=True)
     with pytest.raises(ValueError, match=r"hf_model_types \(\), but GPT\.hf_mapping reads"):
         registry.ModelEntry("qkv-gpt", GPTConfig, GPT, quantizable=True)
+    assert registry.entry_for("qwen3").model_class is GPT  # each family a line of the table
 
 
 # --- the import graph of src/qkv/models -------------------------------------------------------

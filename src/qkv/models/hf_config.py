@@ -29,8 +29,8 @@ from ..files import CheckpointError
 from .config import NORM_EPS_RANGE, check_norm_eps
 
 __all__ = ["BERT_FIELDS", "CLIP_ACTIVATIONS", "CLIP_FIELDS", "CLIP_TEXT_FIELDS",
-           "CLIP_VISION_FIELDS", "GPT2_FIELDS", "HF_ACTIVATIONS", "VIT_FIELDS", "Check",
-           "audit_hf_config", "only"]
+           "CLIP_VISION_FIELDS", "COMMON_FIELDS", "GPT2_FIELDS", "HF_ACTIVATIONS",
+           "NORM_EPS_CHECK", "VIT_FIELDS", "Check", "audit_hf_config", "only"]
 
 #: HF activation names (transformers.activations.ACT2FN) -> qkv's ``ACTIVATIONS`` key, for
 #: the ones qkv computes exactly (gelu_fast / gelu_python_tanh are the tanh approximation,
@@ -142,6 +142,9 @@ _COMMON: dict[str, str | Check] = {
         "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens")},
 }
 
+#: the fields every transformers config carries, for the family tables of other files
+COMMON_FIELDS = _COMMON
+
 _ACTIVATION_CHECK = f"qkv computes {sorted(HF_ACTIVATIONS)}"
 
 
@@ -160,6 +163,8 @@ def _norm_eps(value: Any, _data: dict[str, Any]) -> bool:
 #: layer_norm_epsilon / layer_norm_eps: what ``hub.check_norm_eps`` accepts
 _EPS = Check(_norm_eps, f"a finite number in [{NORM_EPS_RANGE[0]:g}, {NORM_EPS_RANGE[1]:g}]",
              used=True)
+#: a norm epsilon field (used), for the family tables of other files
+NORM_EPS_CHECK = _EPS
 
 
 def _one_dropout(value: Any, data: dict[str, Any]) -> bool:

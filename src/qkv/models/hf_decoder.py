@@ -22,7 +22,8 @@ from typing import Any
 from torch import Tensor
 
 from ..files import CheckpointError
-from .hf_config import _COMMON, _EPS, HF_ACTIVATIONS, Check, audit_hf_config, only
+from .hf_config import (COMMON_FIELDS, HF_ACTIVATIONS, NORM_EPS_CHECK, Check,
+                        audit_hf_config, only)
 from .hf_load import HFMapping
 from .hf_rope import rope_from_hf
 from .hf_state import Fused, KeyMap, layer_field
@@ -38,6 +39,10 @@ LAYER_KEY = r"(?:model\.)?layers\.(\d+)\."
 _GATED = {"silu": "swiglu", "gelu_tanh": "geglu_tanh", "gelu": "geglu"}
 
 _INIT = "ignored: initialisation only; the weights are loaded"
+#: fields whose explicit null means "none" to transformers (not its default): no window,
+#: no soft cap, D from the width
+_NULL_MEANS_NONE = ("head_dim", "sliding_window", "attn_logit_softcapping",
+                    "final_logit_softcapping")
 _ROPE = "used (qkv.models.hf_rope.rope_from_hf: the base and the scaling)"
 
 
@@ -69,11 +74,11 @@ def _layer_types_ok(value: Any, data: dict[str, Any]) -> bool:
 
 #: the fields every Llama-style config has; a family adds its own (``Family.fields``)
 DECODER_FIELDS: dict[str, str | Check] = {
-    **_COMMON,
+    **COMMON_FIELDS,
     "vocab_size": "used", "hidden_size": "used", "intermediate_size": "used",
     "num_hidden_layers": "used", "num_attention_heads": "used",
     "num_key_value_heads": "used", "head_dim": "used", "max_position_embeddings": "used",
-    "rms_norm_eps": _EPS, "tie_word_embeddings": "used",
+    "rms_norm_eps": NORM_EPS_CHECK, "tie_word_embeddings": "used",
     "hidden_act": Check(_activation_ok, f"a gated FFN of {sorted(_GATED)}", used=True),
     "rope_theta": _ROPE, "rope_scaling": _ROPE, "rope_parameters": _ROPE,
     "original_max_position_embeddings": _ROPE,
@@ -146,7 +151,7 @@ def decoder_fields(family: Family, hf: dict[str, Any], source: str) -> dict[str,
     """
     audit_hf_config(hf, family.table(), source)
     hf = {**family.defaults, **{k: v for k, v in hf.items() if v is not None
-                                or k in ("head_dim", "sliding_window")}}
+                                or k in _NULL_MEANS_NONE}}
     try:
         dim, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
         kv = int(hf.get("num_key_value_heads") or heads)
@@ -176,7 +181,7 @@ def decoder_key_map(family: Family, config: Any) -> KeyMap:
     blocks (or Phi-3's fused tensors as they are); a tied head reads ``embed_tokens``."""
     c = config
     q, kv, f = c.num_heads * c.head_dim, (c.num_kv_heads or c.num_heads) * c.head_dim, \
-        c.ffn_hidden
+        c.ffn_hidden or 4 * c.dim
     qkv_bias, out_bias, ffn_bias = c.biases()
     m: KeyMap = {"embed.weight": "embed_tokens.weight", "norm.weight": "norm.weight",
                  "lm_head.weight": "embed_tokens.weight" if c.tie_embeddings
