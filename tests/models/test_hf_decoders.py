@@ -13,12 +13,11 @@ import json
 
 import pytest
 import torch
+from _hf_decoders import FAMILIES, hf_logits, hf_model, left_padded, save_hf, transformers
 
 from qkv.files import CheckpointError
-from qkv.modules.quantized import QuantizedLinear
 from qkv.models import GPT, from_pretrained
-
-from _hf_decoders import FAMILIES, hf_logits, hf_model, left_padded, save_hf, transformers
+from qkv.modules.quantized import QuantizedLinear
 
 NAMES = sorted(FAMILIES)
 

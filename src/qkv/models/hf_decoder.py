@@ -22,8 +22,7 @@ from typing import Any
 from torch import Tensor
 
 from ..files import CheckpointError
-from .hf_config import (COMMON_FIELDS, HF_ACTIVATIONS, NORM_EPS_CHECK, Check,
-                        audit_hf_config, only)
+from .hf_config import COMMON_FIELDS, HF_ACTIVATIONS, NORM_EPS_CHECK, Check, audit_hf_config, only
 from .hf_load import HFMapping
 from .hf_rope import rope_from_hf
 from .hf_state import Fused, KeyMap, layer_field
@@ -53,23 +52,14 @@ def gated_activation(name: Any, source: str, field: str = "hidden_act") -> str:
         CheckpointError: an activation qkv does not compute exactly."""
     act = HF_ACTIVATIONS.get(name) if isinstance(name, str) else None
     if act not in _GATED:
+        known = sorted(k for k, v in HF_ACTIVATIONS.items() if v in _GATED)
         raise CheckpointError(f"{source}: config.json {field}={name!r}: qkv computes gated "
-                              f"FFNs of {sorted(k for k, v in HF_ACTIVATIONS.items() if v in _GATED)}")
+                              f"FFNs of {known}")
     return _GATED[act]
 
 
 def _activation_ok(value: Any, _data: dict[str, Any]) -> bool:
     return isinstance(value, str) and HF_ACTIVATIONS.get(value) in _GATED
-
-
-def _positive_or_none(value: Any, _data: dict[str, Any]) -> bool:
-    return value is None or (isinstance(value, int) and not isinstance(value, bool)
-                             and value > 0)
-
-
-def _layer_types_ok(value: Any, data: dict[str, Any]) -> bool:
-    return value is None or (isinstance(value, list) and all(
-        t in ("full_attention", "sliding_attention") for t in value))
 
 
 #: the fields every Llama-style config has; a family adds its own (``Family.fields``)

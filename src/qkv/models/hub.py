@@ -54,7 +54,8 @@ class PretrainedMixin:
     views of another parameter (a tied output embedding), not written to disk;
     ``hf_mapping``: the ``qkv.models.hf_load.HFMapping`` their ``from_hf`` reads (None: no
     HuggingFace architecture), or ``hf_mappings``: several (a ``GPT`` reads GPT-2 and the
-    Llama-style families; ``hf_mapping`` is then the first); ``quantizable``: ``qkv.quantize`` handles them;
+    Llama-style families; ``hf_mapping`` is then the first); ``quantizable``:
+    ``qkv.quantize`` handles them;
     ``tied_heads``: head attribute -> the module whose weight is its decoder (quantized as
     one head, ``qkv.models.quantized``).
     """

@@ -13,7 +13,8 @@ from ..ops.fast_linear import fast_linear
 from .activations import ACTIVATION_TABLE, QUICK_GELU_ALPHA, QuickGELU, quick_gelu, quick_gelu_
 from .linear_call import apply_linear, is_plain_linear
 
-__all__ = ["ACTIVATIONS", "GATED_ACTIVATIONS", "FeedForward", "QuickGELU", "SwiGLU", "quick_gelu", "quick_gelu_"]
+__all__ = ["ACTIVATIONS", "GATED_ACTIVATIONS", "FeedForward", "QuickGELU", "SwiGLU", "quick_gelu",
+           "quick_gelu_"]
 
 # the one activation table (``qkv.modules.activations``), as name -> function
 ACTIVATIONS = {name: a.fn for name, a in ACTIVATION_TABLE.items()}
