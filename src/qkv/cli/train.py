@@ -27,6 +27,8 @@ EXAMPLES = """examples:
   qkv train --task dates-long --init-from runs/dates --adapters reduction_factor=16
   qkv train --model gpt --data corpus.txt --init-from runs/gpt-text --prefix 16
   qkv train --task dates-long --init-from runs/dates           # full fine-tuning
+  qkv train --init-from models/qwen2-0.5b-instruct --chat --data chats.jsonl --lora r=8
+  qkv train --init-from models/llama-instruct --chat --data qa.tsv --lr 2e-5 --steps 200
   torchrun --nproc-per-node 2 -m qkv.cli train --task dates --batch-size 128
   torchrun --nproc-per-node 4 -m qkv.cli train --data pairs.tsv --device cuda   # nccl
   torchrun --nproc-per-node 8 -m qkv.cli train --fsdp --model gpt --preset gpt2-medium \
@@ -48,14 +50,21 @@ on the same --out or --resume is refused, naming the holder's pid. Before anythi
 written, settings, data, model sizes and memory are checked: what is refused leaves nothing.
 
 Fine-tuning: --init-from RUN_OR_HF_DIR starts from a trained base (a qkv run or checkpoint,
-or a HuggingFace GPT-2/BERT directory with a tokenizer.json qkv reads); the base fixes the
-model, tokenizer and max_len (--preset, --set, --tokenizer, --bpe-vocab-size are refused;
---model defaults to the base's kind). With --lora / --adapters / --prefix only the new
-adapter trains (qkv.peft) and the checkpoint holds the adapter and base.json (the base's
-path and sha256): resume, translate, generate and attention refuse a changed base.
+or a HuggingFace directory qkv loads: GPT-2, BERT, Llama, Mistral, Qwen2/3, Gemma 1/2,
+Phi-3, with its tokenizer.json); the base fixes the model, tokenizer and max_len (--preset,
+--set, --tokenizer, --bpe-vocab-size are refused; --model defaults to the base's kind).
+--chat (gpt, with --init-from a base that has a chat template): --data holds pairs to
+render with the base's template — a TSV of input<TAB>output lines (one user message each)
+or a .jsonl of {"messages": [...]} conversations (the last message, the assistant's, is the
+answer); each prompt is the template's (add_generation_prompt), followed by the answer and
+the template's end-of-turn token, and the loss counts only those; a base without a chat
+template is refused. With --lora / --adapters / --prefix only the new adapter trains
+(qkv.peft) and the checkpoint holds the adapter and base.json (the base's path and
+sha256): resume, translate, generate and attention refuse a changed base.
 --lora KEYS: r (int), alpha, dropout, targets (roles joined by +: q k v qkv out ffn_in
-ffn_out), rslora (true/false). --adapters KEYS: reduction_factor, placement (houlsby,
-pfeiffer, parallel), activation, dropout, scaling. --prefix N: N prefix positions per layer.
+gate up ffn_out down all-linear; gate/up: a gated FFN's halves), rslora (true/false).
+--adapters KEYS: reduction_factor, placement (houlsby, pfeiffer, parallel), activation,
+dropout, scaling. --prefix N: N prefix positions per layer.
 Keys are comma-separated KEY=VALUE (--lora alone: the defaults). `qkv peft merge RUN --out
 DIR` folds a LoRA run into a plain model directory.
 
@@ -84,8 +93,9 @@ _SETTINGS: tuple[tuple[str, str, Any, str], ...] = (
                                 "clip-shapes)"),
     ("--task", "task", str, "embedded task: dates (default), copy, reverse, sort, addition, "
                             "dates-long; shapes (clip's, image-caption pairs)"),
-    ("--data", "data", str, "a TSV pairs file (transformer), a text file (gpt, bert-mlm) or a "
-                            "folder of images with captions.tsv (clip)"),
+    ("--data", "data", str, "a TSV pairs file (transformer), a text file (gpt, bert-mlm), a "
+                            "folder of images with captions.tsv (clip); with --chat a TSV or "
+                            ".jsonl of conversations"),
     ("--tokenizer", "tokenizer", str, "char (default) or bpe"),
     ("--bpe-vocab-size", "bpe_vocab_size", int, "BPE vocabulary size (default 1000)"),
     ("--steps", "steps", int, "optimizer steps of the whole run (default 1000)"),
@@ -102,7 +112,8 @@ _SETTINGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--max-len", "max_len", int, "longest sequence / text window in tokens (default: derived)"),
     ("--seed", "seed", int, "seed of initialisation, dropout and data order (default 0)"),
     ("--init-from", "init_from", str, "fine-tune a trained base: a qkv run/checkpoint or a "
-                                      "HuggingFace GPT-2/BERT directory"),
+                                      "HuggingFace directory (GPT-2, BERT, Llama, Mistral, "
+                                      "Qwen2/3, Gemma 1/2, Phi-3)"),
 )
 
 #: --lora / --adapters keys -> (parser, what the value must be)
@@ -241,6 +252,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     scale.add_argument("--force-precision", action="store_true",
                        help="allow --precision bf16 on a CPU without native bf16 (refused "
                             "there with the measured bf16 and fp32 matmul speeds)")
+    p.add_argument("--chat", action="store_const", const=True, default=None,
+                   help="with --init-from a base with a chat template: --data holds pairs "
+                        "(TSV input<TAB>output, or .jsonl {\"messages\": [...]}) rendered "
+                        "with the template; the loss counts the answers only (see below)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a model config field (JSON value or a string), repeatable")
     p.add_argument("--out", default=None, help="run directory (default runs/<model>-<data>-"
@@ -276,7 +291,7 @@ def _overrides(items: list[str]) -> dict[str, Any]:
 _SCALE = ("fsdp", "grad_accum", "activation_checkpointing", "precision")
 #: TrainConfig field -> the flag that sets it
 _FLAGS = {field: flag for flag, field, _, _ in _SETTINGS} | {
-    "overrides": "--set", "peft": "--lora/--adapters/--prefix",
+    "overrides": "--set", "peft": "--lora/--adapters/--prefix", "chat": "--chat",
     **{field: "--" + field.replace("_", "-") for field in _SCALE}}
 
 
@@ -348,7 +363,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume:
         extra = sorted(_FLAGS.get(f, f) for f in set(given) - {"steps"}) + (
             ["--set"] if args.overrides else []) + (["--out"] if args.out else [])
-        extra += [f for f in ("--lora", "--adapters", "--prefix")
+        extra += [f for f in ("--lora", "--adapters", "--prefix", "--chat")
                   if getattr(args, f[2:]) is not None]
         if extra:
             raise UserError(f"--resume continues a run with its own settings; only --steps may "
@@ -371,6 +386,8 @@ def _train(args: argparse.Namespace) -> int:
                 given["task"] = tasks[0]
         if "data" in given:
             _check_data_path(given["data"])
+        if args.chat:
+            given["chat"] = True
         peft = _peft(args)
         if peft is not None and "init_from" not in given:
             flag = {"lora": "--lora", "adapters": "--adapters", "prefix": "--prefix"}[

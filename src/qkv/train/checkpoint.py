@@ -162,19 +162,18 @@ def load_run(path: str | os.PathLike) -> tuple[nn.Module, Any]:
         process group). For a run that trained an adapter (``TrainConfig.peft``): its base
         (base.json) with the adapter attached and active (the reader registered for
         adapter_config.json: ``qkv.train.finetune.read_adapter_run``; ``disable_adapters``
-        gives the base).
+        gives the base). The tokenizer is qkv's, or a HuggingFace base's with its special
+        ids and chat template (``qkv.train.hf_tokenizer.read_run_tokenizer``).
 
     Raises:
         CheckpointError: no checkpoint, an unknown model type, or missing/mismatched files;
         for an adapter run, a base that is missing or changed (naming its path).
     """
-    from ..data import read_tokenizer
+    from .hf_tokenizer import read_run_tokenizer
 
     ckpt = find_checkpoint(path)
     model = from_pretrained(ckpt)  # an adapter run or a sharded one: qkv.train's readers
-    if not (ckpt / "tokenizer.json").is_file():
-        raise CheckpointError(f"{ckpt}: tokenizer.json is missing")
-    return model, read_tokenizer(ckpt / "tokenizer.json")
+    return model, read_run_tokenizer(ckpt)
 
 
 def read_run_info(path: str | os.PathLike) -> dict[str, Any]:
@@ -197,7 +196,10 @@ def read_run_info(path: str | os.PathLike) -> dict[str, Any]:
 def trained_on_pairs(info: dict[str, Any]) -> bool:
     """Whether a run (its ``read_run_info``) trained on source/target pairs — an embedded
     task, or a TSV for an encoder-decoder — so a GPT reads bos + prompt + eos and answers up
-    to eos. False for plain-text runs and for checkpoints without run.json."""
+    to eos. False for plain-text runs, for chat-formatted pairs (``chat``: the chat template
+    frames a prompt, not bos + eos) and for checkpoints without run.json."""
+    if info.get("chat"):
+        return False
     if info.get("task") is not None:
         return True
     try:

@@ -71,7 +71,13 @@ class TrainConfig:
             "dates-long"; "shapes": synthetic image-caption pairs, clip only — clip trains
             on no text task), or
         data: a file: TSV source<TAB>target pairs, or plain text (gpt / bert-mlm only); for
-            clip a folder of images with captions.tsv (``qkv.data.ImageFolderDataset``).
+            clip a folder of images with captions.tsv (``qkv.data.ImageFolderDataset``);
+            with ``chat``, a TSV of input<TAB>output lines or a ``.jsonl`` of
+            ``{"messages": [...]}`` conversations.
+        chat: train a gpt on chat-formatted pairs of ``data`` (``qkv.train.chat_data``):
+            each conversation rendered with the chat template of the base (``init_from``,
+            needed), then the answer and the template's end-of-turn token; the loss counts
+            the answer and that token only. Fixed for a run.
         tokenizer: "char" or "bpe" (trained on the data with the ``tokenizers`` library,
             ``bpe_vocab_size`` entries).
         steps: optimizer steps of the whole run. batch_size: examples per step (global,
@@ -131,6 +137,7 @@ class TrainConfig:
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
     task: str | None = "dates"
     data: str | None = None
+    chat: bool = False
     tokenizer: str = "char"
     bpe_vocab_size: int = 1000
     steps: int = 1000
@@ -168,6 +175,8 @@ class TrainConfig:
         for name in ("preset", "task", "data"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise bad(name, "a string or None")
+        if not isinstance(self.chat, bool):
+            raise bad("chat", "true or false")
         if not isinstance(self.overrides, dict):
             raise bad("overrides", "a dict of model config fields")
         if self.tokenizer not in TOKENIZERS:

@@ -16,7 +16,9 @@ batches in ``kinds/clip.py``):
   ``tgt_out`` (B, N) = target + eos, padding = -100 (ignored by the loss).
 - gpt: one sequence per pair, bos + source + eos + target + eos, right-padded; the loss
   covers the target and its eos only (``prompt`` = bos + source + eos is what generation
-  starts from). Plain text: contiguous windows of ``max_len`` + 1 tokens.
+  starts from). Plain text: contiguous windows of ``max_len`` + 1 tokens. Chat-formatted
+  pairs (``TrainConfig.chat``): the base's chat-template prompt + answer + end-of-turn
+  token, the loss on the answer and its end (``qkv.train.chat_data``).
 - bert-mlm: bos + source + " " + target + eos per pair (or a text window), with 15 % of the
   real tokens chosen for prediction (80 % -> the mask token, 10 % random, 10 % kept); the
   mask token is the tokenizer's ``mask_id`` when it has one, else ``<unk>`` (qkv's char and

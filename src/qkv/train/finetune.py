@@ -1,9 +1,11 @@
 """Fine-tuning from a trained base: ``TrainConfig(init_from=BASE, peft={...})``.
 
-``init_from`` is a qkv run or checkpoint directory, or a HuggingFace GPT-2 / BERT directory
-that ``qkv.models.from_hf`` loads. The base fixes the architecture, the tokenizer and the
-context length (``max_len``); the run's data must be encodable by the base's tokenizer and
-fit that length — both checked before anything is written.
+``init_from`` is a qkv run or checkpoint directory, or a HuggingFace directory that
+``qkv.models.from_pretrained`` loads into a model some trainer kind owns (GPT-2, BERT, and
+the Llama-style llama, mistral, qwen2, qwen3, gemma, gemma2, phi3 into ``GPT``). The base
+fixes the architecture, the tokenizer and the context length (``max_len``); the run's data
+must be encodable by the base's tokenizer and fit that length — both checked before
+anything is written.
 
 ``peft`` is one of ``{"kind": "lora", **LoraConfig fields}``, ``{"kind": "adapters",
 **AdapterConfig fields}`` or ``{"kind": "prefix", **PrefixConfig fields}`` (``qkv.peft``):
@@ -25,10 +27,14 @@ gradient.
 ``peft`` without ``init_from`` is refused: adapters on a randomly initialised, frozen model
 have nothing to adapt, and the run could not name a base to reload.
 
-An HF directory needs a qkv tokenizer: its ``tokenizer.json`` must be one that
-``qkv.data.read_tokenizer`` reads, or a HF ``tokenizers`` file whose ids 0..3 are qkv's
-``<pad> <bos> <eos> <unk>`` (GPT-2's own tokenizer has none of them and is refused, saying
-so).
+An HF directory's ``tokenizer.json`` is read by ``qkv.train.hf_tokenizer.base_tokenizer``:
+one that ``qkv.data.read_tokenizer`` reads, a HF ``tokenizers`` file whose ids 0..3 are qkv's
+``<pad> <bos> <eos> <unk>`` (a ``qkv.data.BPETokenizer``), or else the directory's own
+tokenizer with its special ids and chat template (``HFTokenizer``: its eos named by
+tokenizer_config.json, generation_config.json or config.json; refused without one). A run
+from such a base saves that tokenizer in the HuggingFace layout (tokenizer.json,
+tokenizer_config.json, generation_config.json) and reads it back with
+``read_run_tokenizer``.
 """
 
 from __future__ import annotations
@@ -46,7 +52,8 @@ from torch import nn
 from ..files import ADAPTER_MARK, QUANT_NAME, CheckpointError, read_json
 from ..models import from_pretrained
 from .data import file_fingerprint
-from .kinds import kind_of_model, kind_of_model_type
+from .hf_tokenizer import base_tokenizer, read_run_tokenizer
+from .kinds import KINDS, kind_of_model, kind_of_model_type
 from .memory import check_adapter_fits
 from .rundir import find_checkpoint
 
@@ -167,28 +174,6 @@ def _base_dir(init_from: str | os.PathLike) -> Path:
     return ckpt.resolve()
 
 
-def _load_tokenizer(ckpt: Path) -> Any:
-    from ..data import BPETokenizer, read_tokenizer
-
-    path = ckpt / "tokenizer.json"
-    if not path.is_file():
-        raise CheckpointError(f"--init-from {ckpt}: tokenizer.json is missing; fine-tuning "
-                              f"needs the base's tokenizer (qkv.data's, saved as "
-                              f"tokenizer.json beside config.json)")
-    try:
-        return read_tokenizer(path)
-    except ValueError as qkv_error:
-        try:
-            from tokenizers import Tokenizer
-
-            return BPETokenizer(Tokenizer.from_file(str(path)))
-        except Exception as exc:  # tokenizers raises bare Exceptions
-            raise CheckpointError(
-                f"--init-from {ckpt}: {path} is not a tokenizer qkv can train with "
-                f"({qkv_error}; as a HuggingFace tokenizer: {exc}); qkv needs <pad> <bos> "
-                f"<eos> <unk> at ids 0..3 (GPT-2's tokenizer has none of them)") from None
-
-
 def config_sha256(ckpt: str | os.PathLike) -> str:
     """sha256 (hex) of ``ckpt/config.json`` as canonical JSON: keys sorted, separators
     ``,`` and ``:`` without spaces, UTF-8 — the same for any formatting of the same values.
@@ -230,14 +215,16 @@ def base_model_kind(init_from: str | os.PathLike) -> str:
     data = read_json(_base_dir(init_from) / "config.json")
     kind = kind_of_model_type(data.get("model_type"))
     if kind is None:
+        known = sorted(t for k in KINDS.values() for t in k.model_types)
         raise CheckpointError(f"--init-from {init_from}: model_type {data.get('model_type')!r} "
-                              f"is neither a qkv model nor HF gpt2 / bert")
+                              f"is not a model qkv trains (known: {', '.join(known)})")
     return kind.name
 
 
 def load_base(init_from: str | os.PathLike, want: str) -> BaseModel:
     """Load the base of a fine-tuning run and check that it is a ``want`` model
-    ("transformer", "gpt", "bert-mlm"), and one that kind can train (``check_base``).
+    ("transformer", "gpt", "bert-mlm"), and one that kind can train (``check_base``); its
+    tokenizer by ``qkv.train.hf_tokenizer.base_tokenizer``.
 
     Raises:
         CheckpointError / ValueError: no base there, an adapter run, no model.safetensors or
@@ -253,7 +240,7 @@ def load_base(init_from: str | os.PathLike, want: str) -> BaseModel:
         raise ValueError(f"--model {want} does not match the base {init_from}, a "
                          f"{type(model).__name__} (--model {kind.name})")
     kind.check_base(model, init_from)
-    return BaseModel(model, _load_tokenizer(ckpt), ckpt, sha, config_sha)
+    return BaseModel(model, base_tokenizer(ckpt), ckpt, sha, config_sha)
 
 
 def check_base(ckpt: str | os.PathLike) -> dict[str, str]:
@@ -315,11 +302,7 @@ def read_adapter_run(ckpt: str | os.PathLike, *, device: Any = None,
 
 def load_adapter_run(ckpt: str | os.PathLike) -> tuple[nn.Module, Any]:
     """(model, tokenizer) of an adapter checkpoint: ``read_adapter_run``'s model and the
-    run's tokenizer.json."""
-    from ..data import read_tokenizer
-
+    run's tokenizer (``read_run_tokenizer``)."""
     ckpt = Path(ckpt)
     model = read_adapter_run(ckpt)
-    if not (ckpt / "tokenizer.json").is_file():
-        raise CheckpointError(f"{ckpt}: tokenizer.json is missing")
-    return model, read_tokenizer(ckpt / "tokenizer.json")
+    return model, read_run_tokenizer(ckpt)

@@ -135,9 +135,9 @@ def open_run(config: TrainConfig, out: Path, *, kind: ModelKind, claim: RunDirCl
             f"says fsdp={config.fsdp}: fsdp is fixed for a run; restore run.json from "
             f"{ckpt / 'run.json'}")
     if sharded:  # weights come with the optimizer state, after sharding (restore)
-        from ..data import read_tokenizer
+        from .hf_tokenizer import read_run_tokenizer
 
-        model, tokenizer = build_checkpoint_model(ckpt), read_tokenizer(ckpt / "tokenizer.json")
+        model, tokenizer = build_checkpoint_model(ckpt), read_run_tokenizer(ckpt)
     else:
         model, tokenizer = load_run(ckpt)  # an adapter run: base checked
     # an adapter run's base.json, checked against its base by load_run just now

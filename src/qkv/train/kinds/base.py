@@ -61,6 +61,8 @@ class ModelKind(abc.ABC):
         splits_batches: a step's batch may be cut into micro-batches (``--grad-accum``)
             with the same loss and gradients; False when the loss couples a batch's
             examples (a contrastive loss: the negatives would differ per micro-batch).
+        reads_chat: trains on chat-formatted pairs (``TrainConfig.chat``; gpt:
+            ``qkv.train.chat_data``); the others refuse ``chat``.
     """
 
     name: ClassVar[str]
@@ -70,16 +72,23 @@ class ModelKind(abc.ABC):
     tasks: ClassVar[tuple[str, ...] | None] = None
     data_what: ClassVar[str] = "a file"
     splits_batches: ClassVar[bool] = True
+    reads_chat: ClassVar[bool] = False
 
     # --- settings -------------------------------------------------------------------------
     def check_config(self, config: Any) -> None:
         """Refuse settings this kind cannot train (raise ``qkv.train.config.ConfigError``
-        naming the field). Default: a task another kind owns (``tasks``) is refused."""
+        naming the field). Default: a task another kind owns (``tasks``), ``chat`` for a kind
+        that does not read chat pairs (``reads_chat``) and ``grad_accum`` for one that does
+        not split batches are refused."""
         if getattr(config, "grad_accum", 1) > 1 and not self.splits_batches:
             raise ConfigError("grad_accum", f"--model {self.name} cannot split a step's batch "
                                             f"into micro-batches (its loss couples the "
                                             f"batch's examples), got grad_accum "
                                             f"{config.grad_accum}; lower --batch-size instead")
+        if getattr(config, "chat", False) and not self.reads_chat:
+            chat = [k.name for k in KINDS.values() if k.reads_chat]
+            raise ConfigError("chat", f"--model {self.name} does not train on chat-formatted "
+                                      f"pairs; --chat is for --model {' / '.join(chat)}")
         task = config.task
         if task is None:
             return
