@@ -366,14 +366,15 @@ def test_shell_commands_run_in_order(readme, tmp_path, monkeypatch, capsys):
 
 def test_shell_commands_are_found():
     """The blocks' commands as counted by hand: set-up (make ×2); your own data (activate,
-    python -c over three lines, cat, 10 qkv/torchrun); FSDP (torchrun ×3, two of them over
-    several lines, qkv export); the FSDP benchmark's output (2 commands)."""
+    python -c over three lines, cat, 10 qkv/torchrun); the Llama checkpoint (python ×2, 5
+    qkv); FSDP (torchrun ×3, two of them over several lines, qkv export); the FSDP
+    benchmark's output (2 commands)."""
     found = [shell_commands(b) for b in BLOCKS["README.md"]]
     found = [c for c in found if c]
-    assert [len(c) for c in found] == [2, 13, 4, 2], found
+    assert [len(c) for c in found] == [2, 13, 7, 4, 2], found
     assert found[1][1].startswith("python -c") and found[1][1].count("\n") == 2
     assert _words(found[1][4])[-2:] == ["--out", "runs/bpe"]  # a continued line, joined
-    assert _words(found[2][0])[-2:] == ["--out", "runs/big"]
+    assert _words(found[3][0])[-2:] == ["--out", "runs/big"]
 
 
 # ------------------------------------------------------------------- output blocks

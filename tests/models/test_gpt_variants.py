@@ -179,8 +179,15 @@ def test_cache_kind_must_match_the_config():
     plain = _tiny()
     ids = torch.randint(0, VOCAB, (1, 3))
     with torch.no_grad():
-        with pytest.raises(TypeError, match="WindowKVCaches from new_cache"):
-            window(ids, cache=plain.new_cache(1, 8))
+        # a plain KVCache keeps every key: a windowed model takes it (the window is then
+        # its mask's) and computes what its window caches compute
+        long_ids = torch.randint(0, VOCAB, (1, 7))
+        full = window(long_ids)
+        step_cache = plain.new_cache(1, 8)
+        got = torch.cat([window(long_ids[:, :3], cache=step_cache)]
+                        + [window(long_ids[:, t:t + 1], cache=step_cache) for t in range(3, 7)],
+                        dim=1)
+        torch.testing.assert_close(got, full, rtol=0, atol=1e-5 * full.abs().max().item())
         with pytest.raises(TypeError, match="KVCaches from new_cache"):
             plain(ids, cache=window.new_cache(1, 8))
         with pytest.raises(TypeError, match="WindowKVCaches"):

@@ -204,11 +204,16 @@ class GPT(PretrainedMixin, nn.Module):
         kinds = [LinearCache if c.attention == "linear"
                  else WindowKVCache if c.is_windowed(i) else KVCache
                  for i in range(len(self.layers))]
+        # a windowed layer also takes a plain KVCache (it keeps every key; the window is then
+        # the mask's, layer_mask): the decode plan's caches when they fit in the window
         if (not isinstance(cache, (list, tuple)) or len(cache) != len(self.layers)
-                or not all(isinstance(x, kind) for x, kind in zip(cache, kinds, strict=True))
+                or not all(isinstance(x, kind) or (kind is WindowKVCache
+                                                   and type(x) is KVCache)
+                           for x, kind in zip(cache, kinds, strict=True))
                 or any(kind is KVCache and isinstance(x, WindowKVCache)
                        for x, kind in zip(cache, kinds, strict=True))
-                or any(kind is WindowKVCache and x.window != window
+                or any(kind is WindowKVCache and isinstance(x, WindowKVCache)
+                       and x.window != window
                        for x, kind in zip(cache, kinds, strict=True))):
             names = sorted({k.__name__ for k in kinds})
             raise TypeError(f"GPT: cache must be the list of {len(self.layers)} "
