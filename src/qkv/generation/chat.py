@@ -51,7 +51,7 @@ from ..models.hub import load_tokenizer
 
 __all__ = ["SPECIAL_TOKEN_NAMES", "ChatTemplateError", "GenerationTokens", "chat",
            "chat_prompt_ids", "read_chat_template", "read_generation_config",
-           "read_special_tokens", "render_chat", "stop_token_ids"]
+           "read_special_tokens", "render_chat", "special_token_id", "stop_token_ids"]
 
 #: The special tokens a chat template sees by name (transformers' ``SPECIAL_TOKENS_ATTRIBUTES``).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
@@ -250,17 +250,30 @@ def stop_token_ids(directory: str | os.PathLike, tokenizer: Any = None
                    several=True)
         if eos is not None:
             return eos
-    text = read_special_tokens(directory).get("eos_token")
-    if text is None:
+    if read_special_tokens(directory).get("eos_token") is None:
         return None
     tokenizer = load_tokenizer(directory) if tokenizer is None else tokenizer
     if tokenizer is None:
         return None
+    return (special_token_id(directory, "eos_token", tokenizer),)
+
+
+def special_token_id(directory: str | os.PathLike, name: str, tokenizer: Any) -> int | None:
+    """The id in ``tokenizer`` (a ``tokenizers.Tokenizer``) of the directory's special token
+    ``name`` ("eos_token", "bos_token"... of ``read_special_tokens``), or None when the
+    directory names none.
+
+    Raises:
+        CheckpointError: a token the tokenizer does not have."""
+    directory = Path(directory)
+    text = read_special_tokens(directory).get(name)
+    if text is None:
+        return None
     tid = tokenizer.token_to_id(text)
     if tid is None:
-        raise CheckpointError(f"{directory / _TOKENIZER_CONFIG}: eos_token {text!r} is not a "
+        raise CheckpointError(f"{directory / _TOKENIZER_CONFIG}: {name} {text!r} is not a "
                               f"token of the tokenizer")
-    return (tid,)
+    return tid
 
 
 # --------------------------------------------------------------------------------- rendering

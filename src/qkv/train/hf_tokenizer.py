@@ -104,6 +104,7 @@ class HFTokenizer(TokenizerBase):
             read_chat_template,
             read_generation_config,
             read_special_tokens,
+            special_token_id,
             stop_token_ids,
         )
         from ..models.hub import load_tokenizer
@@ -121,14 +122,7 @@ class HFTokenizer(TokenizerBase):
         stops = stop_token_ids(directory, hf) or ()
 
         def id_of(name: str) -> int | None:
-            text = specials.get(name)
-            if text is None:
-                return None
-            tid = hf.token_to_id(text)
-            if tid is None:
-                raise CheckpointError(f"{directory / _TOKENIZER_CONFIG}: {name} {text!r} is "
-                                      f"not a token of {directory / 'tokenizer.json'}")
-            return tid
+            return special_token_id(directory, name, hf)
 
         eos = id_of("eos_token")
         eos = stops[0] if eos is None and stops else eos
