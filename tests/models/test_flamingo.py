@@ -357,3 +357,21 @@ def test_new_parts_fit_a_tiny_qa_batch():
         opt.step()
         losses.append(float(loss.detach()))
     assert losses[-1] < losses[0] / 4, losses
+
+
+def test_loss_of_a_soft_capped_lm_is_the_cross_entropy_of_its_capped_logits():
+    """A Gemma 2-style LM (``logit_softcap``): the loss scores the capped logits ``forward``
+    returns, not the raw head's (fp32, 1e-6)."""
+    lm = GPT(GPTConfig.from_name("gpt-tiny", vocab_size=V, max_len=64, dim=32, num_heads=4,
+                                 logit_softcap=0.5))
+    model = Flamingo(lm, make_vit(), image_token_id=IMG, num_latents=3).eval()
+    open_gates(model)
+    ids = ids_with_images(2, 9, [[0], [4]])
+    images = torch.randn(2, 1, 3, 16, 16)
+    targets = ids.roll(-1, 1)
+    with torch.no_grad():
+        logits = model(ids, images)
+        assert logits.abs().max() <= 0.5  # capped
+        want = torch.nn.functional.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
+        got = model.loss(ids, images, targets)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

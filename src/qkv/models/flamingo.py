@@ -400,6 +400,10 @@ class Flamingo(nn.Module):
         kvs, text_time, media_mask = self._prepare(input_ids, images, attention_mask)
         h = self.hidden_states(input_ids, media_kv=kvs, text_time=text_time,
                                media_mask=media_mask, attention_mask=attention_mask)
+        if self.lm.config.logit_softcap is not None:  # Gemma 2's capped logits, then the loss
+            logits = self.lm.soft_cap(self.lm.lm_head(h)).float()  # (B, N, V)
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), t,
+                                                     ignore_index=ignore_index)
         return linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm.lm_head.weight, t,
                                     ignore_index=ignore_index, chunk=512)
 
