@@ -213,9 +213,6 @@ def _layer(layer: nn.Module, i: int, c: GPTConfig, rope: RoPE | None) -> LayerPl
     if type(ffn) is not want_ffn:
         raise Unplannable(f"{where}'s feed-forward is a {type(ffn).__name__}, not a "
                           f"{want_ffn.__name__}")
-    if getattr(layer, "post_norm1", None) is not None or attn.scale is not None \
-            or attn.softcap is not None:
-        raise Unplannable(f"{where} has post-norms, a logit scale or a soft cap")
     qk = None if attn.q_norm is None else (
         _norm(attn.q_norm, "rmsnorm", f"{where}'s q_norm"),
         _norm(attn.k_norm, "rmsnorm", f"{where}'s k_norm"))

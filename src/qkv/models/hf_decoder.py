@@ -22,20 +22,23 @@ from typing import Any
 from torch import Tensor
 
 from ..files import CheckpointError
+from ..modules.feedforward import GATED_ACTIVATIONS
 from .hf_config import COMMON_FIELDS, HF_ACTIVATIONS, NORM_EPS_CHECK, Check, audit_hf_config, only
 from .hf_load import HFMapping
 from .hf_rope import rope_from_hf
 from .hf_state import Fused, KeyMap, layer_field
-from .weights import same_values
+from .weights import check_tied_head
 
-__all__ = ["DECODER_FIELDS", "LAYER_KEY", "Family", "decoder_fields", "decoder_key_map",
-           "decoder_mapping", "gated_activation", "windowed_layers"]
+__all__ = ["DECODER_FIELDS", "LAYER_KEY", "LAYER_TYPES_FIELD", "WINDOW_FIELD", "Family",
+           "decoder_fields", "decoder_key_map", "decoder_mapping", "gated_activation",
+           "windowed_layers"]
 
 #: the layer index in the names of the decoder layers' tensors (num_hidden_layers counts them)
 LAYER_KEY = r"(?:model\.)?layers\.(\d+)\."
 
-#: HF activation -> qkv's gated FFN of it (``GPTConfig.activation``)
-_GATED = {"silu": "swiglu", "gelu_tanh": "geglu_tanh", "gelu": "geglu"}
+#: qkv's gate activation -> its gated FFN (``GPTConfig.activation``): the inverse of
+#: ``GATED_ACTIVATIONS``
+_GATED = {act: gated for gated, act in GATED_ACTIVATIONS.items()}
 
 _INIT = "ignored: initialisation only; the weights are loaded"
 #: fields whose explicit null means "none" to transformers (not its default): no window,
@@ -61,6 +64,22 @@ def gated_activation(name: Any, source: str, field: str = "hidden_act") -> str:
 def _activation_ok(value: Any, _data: dict[str, Any]) -> bool:
     return isinstance(value, str) and HF_ACTIVATIONS.get(value) in _GATED
 
+
+def _window_ok(value: Any, _data: dict[str, Any]) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool)
+                             and value > 0)
+
+
+def _layer_types_ok(value: Any, _data: dict[str, Any]) -> bool:
+    return value is None or (isinstance(value, list) and all(
+        t in ("full_attention", "sliding_attention") for t in value))
+
+
+#: ``sliding_window``: a positive int or null (used)
+WINDOW_FIELD = Check(_window_ok, "a positive int or null", used=True)
+#: transformers 5's ``layer_types`` (used: which layers attend in the window)
+LAYER_TYPES_FIELD = Check(_layer_types_ok, "'full_attention' / 'sliding_attention' entries",
+                          used=True)
 
 #: the fields every Llama-style config has; a family adds its own (``Family.fields``)
 DECODER_FIELDS: dict[str, str | Check] = {
@@ -222,12 +241,7 @@ def _normalise(family: Family) -> Callable[..., dict[str, Tensor]]:
             if _ROTARY.fullmatch(k):
                 continue
             if k == "lm_head.weight" and tied:
-                embed = state.get("model.embed_tokens.weight", state.get("embed_tokens.weight"))
-                if embed is not None and not same_values(embed, t):
-                    raise CheckpointError(f"{source}: lm_head.weight differs from "
-                                          f"embed_tokens.weight but config "
-                                          f"tie_word_embeddings=True; set it to false in "
-                                          f"config.json to load the separate head")
+                check_tied_head(state, t, "embed_tokens.weight", "model.", source)
                 continue
             out[k] = t
         return out

@@ -7,7 +7,7 @@ weights are the inverse of the loaders' key maps (``hf_state``): every qkv tenso
 HF key (or keys) its family's ``HFMapping.key_map`` names; a ``Fused`` value or a tuple is
 split along dim 0 by its row blocks (q (H·D, C), k and v (Hkv·D, C); gate and up (F, C)), a
 head tied to the embeddings is written once (as transformers saves it), GPT-2's Conv1D
-weights are transposed back to (in, out) -- the one exception, named by ``_CONV1D`` here
+weights are transposed back to (in, out) -- the one exception, named by ``hf_gpt2.is_conv1d_weight``
 (``hf_gpt2`` keeps its transpose table private).
 
 A loaded model remembers nothing of where it came from, so the HF family is chosen from the
@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import shutil
 import warnings
 from pathlib import Path
@@ -47,7 +46,7 @@ from .gpt import GPT
 from .gpt_config import GPTConfig
 from .hf_bert import BERT_HF
 from .hf_gemma import GEMMA, GEMMA2
-from .hf_gpt2 import GPT2
+from .hf_gpt2 import GPT2, is_conv1d_weight
 from .hf_llama import LLAMA, MISTRAL, QWEN2, QWEN3
 from .hf_load import HFMapping
 from .hf_phi3 import PHI3
@@ -67,10 +66,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    GENERATION_CONFIG_NAME, "chat_template.jinja", "vocab.txt", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json")
 
-#: GPT-2's Conv1D weights (stored (in, out); qkv's Linear holds (out, in))
-_CONV1D = re.compile(r"transformer\.h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)"
-                     r"\.weight")
-
 #: qkv's plain activation -> the HF name written (GPT-2's own "gelu_new" for the tanh GELU)
 _PLAIN = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
 #: qkv's gated FFN -> the HF activation of its gate
@@ -81,26 +76,30 @@ _GEMMA_GATED = {**_GATED, "geglu": "gelu_python"}
 
 @dataclasses.dataclass(frozen=True)
 class _Family:
-    """One HF family qkv exports: its mapping (whose key map is inverted), the class
-    transformers builds, the prefix of its base-model keys."""
+    """One HF family qkv exports: its mapping (whose key map is inverted; its
+    ``model_type`` and ``name`` are the family's), the class transformers builds, the
+    prefix of its base-model keys."""
 
-    model_type: str
-    name: str
     mapping: HFMapping
     architecture: str
     prefix: str
 
+    @property
+    def name(self) -> str:
+        """The family in messages ("Llama")."""
+        return self.mapping.name
 
-_FAMILIES = {f.model_type: f for f in (
-    _Family("gpt2", "GPT-2", GPT2, "GPT2LMHeadModel", "transformer."),
-    _Family("llama", "Llama", LLAMA, "LlamaForCausalLM", "model."),
-    _Family("mistral", "Mistral", MISTRAL, "MistralForCausalLM", "model."),
-    _Family("qwen2", "Qwen2", QWEN2, "Qwen2ForCausalLM", "model."),
-    _Family("qwen3", "Qwen3", QWEN3, "Qwen3ForCausalLM", "model."),
-    _Family("gemma", "Gemma", GEMMA, "GemmaForCausalLM", "model."),
-    _Family("gemma2", "Gemma 2", GEMMA2, "Gemma2ForCausalLM", "model."),
-    _Family("phi3", "Phi-3", PHI3, "Phi3ForCausalLM", "model."),
-    _Family("bert", "BERT", BERT_HF, "BertForMaskedLM", "bert."),
+
+_FAMILIES = {f.mapping.model_type: f for f in (
+    _Family(GPT2, "GPT2LMHeadModel", "transformer."),
+    _Family(LLAMA, "LlamaForCausalLM", "model."),
+    _Family(MISTRAL, "MistralForCausalLM", "model."),
+    _Family(QWEN2, "Qwen2ForCausalLM", "model."),
+    _Family(QWEN3, "Qwen3ForCausalLM", "model."),
+    _Family(GEMMA, "GemmaForCausalLM", "model."),
+    _Family(GEMMA2, "Gemma2ForCausalLM", "model."),
+    _Family(PHI3, "Phi3ForCausalLM", "model."),
+    _Family(BERT_HF, "BertForMaskedLM", "bert."),
 )}
 
 #: the HF model types ``to_hf`` writes
@@ -453,9 +452,6 @@ def hf_state_dict(model: nn.Module, *, model_type: str | None = None) -> dict[st
     fam = _resolve(config, model_type)
     if isinstance(config, GPTConfig):
         _refuse(config, fam, asked=model_type is not None)  # what the family cannot compute
-    if isinstance(config, GPTConfig) and config.ffn_hidden is None:
-        # the decoders' key map sizes gate/up by ffn_hidden; qkv's None means 4·C
-        config = dataclasses.replace(config, ffn_hidden=4 * config.dim)
     key_map = _FAMILIES[fam].mapping.key_map(config)
     own = model.state_dict()
     extra = sorted(set(own) - set(key_map))
@@ -486,7 +482,7 @@ def hf_state_dict(model: nn.Module, *, model_type: str | None = None) -> dict[st
                 continue  # a tied head: written once, as transformers saves it
             out[hf_name] = piece.cpu().clone(memory_format=torch.contiguous_format)
     if fam == "gpt2":
-        for name in [n for n in out if _CONV1D.fullmatch(n)]:
+        for name in [n for n in out if is_conv1d_weight(n)]:
             out[name] = out[name].t().contiguous()  # Linear (out, in) -> Conv1D (in, out)
     return out
 

@@ -21,7 +21,13 @@ from typing import Any
 
 from ..files import CheckpointError
 from .hf_config import Check, only
-from .hf_decoder import Family, decoder_mapping, gated_activation, windowed_layers
+from .hf_decoder import (
+    LAYER_TYPES_FIELD,
+    Family,
+    decoder_mapping,
+    gated_activation,
+    windowed_layers,
+)
 
 __all__ = ["GEMMA", "GEMMA2", "GEMMA2_FAMILY", "GEMMA_FAMILY"]
 
@@ -29,11 +35,6 @@ __all__ = ["GEMMA", "GEMMA2", "GEMMA2_FAMILY", "GEMMA_FAMILY"]
 def _positive(value: Any, _data: dict[str, Any]) -> bool:
     return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
                              and value > 0)
-
-
-def _types(value: Any, _data: dict[str, Any]) -> bool:
-    return value is None or (isinstance(value, list) and all(
-        t in ("full_attention", "sliding_attention") for t in value))
 
 
 _POSITIVE = Check(_positive, "a positive number or null", used=True)
@@ -94,8 +95,7 @@ GEMMA2_FAMILY = Family(
     fields={"attention_bias": "used", "hidden_activation": "used",
             "hidden_act": "ignored: Gemma 2 computes hidden_activation",
             "query_pre_attn_scalar": _POSITIVE, "sliding_window": _POSITIVE,
-            "layer_types": Check(_types, "'full_attention' / 'sliding_attention' entries",
-                                 used=True),
+            "layer_types": LAYER_TYPES_FIELD,
             "attn_logit_softcapping": _POSITIVE, "final_logit_softcapping": _POSITIVE,
             "cache_implementation": "ignored: which cache class transformers uses",
             "use_bidirectional_attention": _BIDIRECTIONAL},

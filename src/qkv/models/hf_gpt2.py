@@ -27,10 +27,10 @@ from .gpt_config import GPTConfig
 from .hf_config import GPT2_FIELDS, HF_ACTIVATIONS, audit_hf_config
 from .hf_load import HFMapping, make_config
 from .hf_state import KeyMap, layer_field, rename_hf_state
-from .weights import same_values
+from .weights import check_tied_head
 
 __all__ = ["GPT2", "LAYER_KEY", "config_fields", "config_from_hf", "convert_hf_state_dict",
-           "gpt2_key_map"]
+           "gpt2_key_map", "is_conv1d_weight"]
 
 #: the layer index in the names of HF GPT-2's block tensors (n_layer counts them)
 LAYER_KEY = r"(?:transformer\.)?h\.(\d+)\."
@@ -50,6 +50,13 @@ _LAYER_MAP = {
 _TOP_MAP = {"wte.weight": "embed.weight", "wpe.weight": "positions.weight",
             "ln_f.weight": "norm.weight", "ln_f.bias": "norm.bias"}
 _LAYER_KEY = re.compile(r"h\.(\d+)\.(.+)")
+
+
+def is_conv1d_weight(key: str) -> bool:
+    """Whether an HF GPT-2 key (with or without "transformer.") names a ``Conv1D`` weight,
+    stored (in, out) where qkv's ``nn.Linear`` holds (out, in)."""
+    m = _LAYER_KEY.fullmatch(key.removeprefix("transformer."))
+    return bool(m and m.group(2) in _LAYER_MAP and _LAYER_MAP[m.group(2)][1])
 _IGNORED = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
 
 
@@ -129,15 +136,9 @@ def _normalise(state: dict[str, Tensor], tied: bool) -> dict[str, Tensor]:
         if _IGNORED.fullmatch(k):
             continue
         if k == "lm_head.weight" and tied:
-            wte = state.get("transformer.wte.weight", state.get("wte.weight"))
-            if wte is not None and not same_values(wte, t):
-                raise CheckpointError("HF GPT-2 checkpoint: lm_head.weight differs from "
-                                      "wte.weight but config tie_word_embeddings=True; "
-                                      "set tie_word_embeddings to false in config.json "
-                                      "to load the separate output embedding")
+            check_tied_head(state, t, "wte.weight", "transformer.", "HF GPT-2 checkpoint")
             continue
-        m = _LAYER_KEY.fullmatch(k)
-        if m and m.group(2) in _LAYER_MAP and _LAYER_MAP[m.group(2)][1] and t.dim() == 2:
+        if is_conv1d_weight(k) and t.dim() == 2:
             t = t.t()  # Conv1D (in, out) -> Linear (out, in)
         out[k] = t
     return out

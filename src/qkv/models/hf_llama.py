@@ -16,27 +16,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .hf_config import Check, only
-from .hf_decoder import Family, decoder_mapping, windowed_layers
+from .hf_config import only
+from .hf_decoder import LAYER_TYPES_FIELD, WINDOW_FIELD, Family, decoder_mapping, windowed_layers
 
 __all__ = ["LLAMA", "LLAMA_FAMILY", "MISTRAL", "MISTRAL_FAMILY", "QWEN2", "QWEN2_FAMILY",
            "QWEN3", "QWEN3_FAMILY"]
 
 _TP = "ignored: HF computes the projections in pretraining_tp slices; the same math"
-
-
-def _int_or_none(value: Any, _data: dict[str, Any]) -> bool:
-    return value is None or (isinstance(value, int) and not isinstance(value, bool)
-                             and value > 0)
-
-
-def _layer_types(value: Any, _data: dict[str, Any]) -> bool:
-    return value is None or (isinstance(value, list) and all(
-        t in ("full_attention", "sliding_attention") for t in value))
-
-
-_WINDOW = Check(_int_or_none, "a positive int or null", used=True)
-_TYPES = Check(_layer_types, "'full_attention' / 'sliding_attention' entries", used=True)
 
 
 def _llama(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -73,8 +59,8 @@ def _qwen3(hf: dict[str, Any], source: str) -> dict[str, Any]:
             **_qwen_window(hf, source)}
 
 
-_QWEN_WINDOW_FIELDS = {"use_sliding_window": "used", "sliding_window": _WINDOW,
-                       "max_window_layers": "used", "layer_types": _TYPES}
+_QWEN_WINDOW_FIELDS = {"use_sliding_window": "used", "sliding_window": WINDOW_FIELD,
+                       "max_window_layers": "used", "layer_types": LAYER_TYPES_FIELD}
 
 LLAMA_FAMILY = Family(
     model_type="llama", name="Llama",
@@ -86,7 +72,7 @@ LLAMA_FAMILY = Family(
     extra=_llama)
 MISTRAL_FAMILY = Family(
     model_type="mistral", name="Mistral",
-    fields={"sliding_window": _WINDOW,
+    fields={"sliding_window": WINDOW_FIELD,
             "layer_types": only(None, why="alternating layers are Ministral's, not Mistral's "
                                           "(transformers ignores them here too)")},
     defaults={"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,

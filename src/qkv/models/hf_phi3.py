@@ -12,15 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .hf_config import Check
-from .hf_decoder import Family, decoder_mapping
+from .hf_decoder import WINDOW_FIELD, Family, decoder_mapping
 
 __all__ = ["PHI3", "PHI3_FAMILY"]
-
-
-def _window_ok(value: Any, _data: dict[str, Any]) -> bool:
-    return value is None or (isinstance(value, int) and not isinstance(value, bool)
-                             and value > 0)
 
 
 def _phi3(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -33,7 +27,7 @@ def _phi3(hf: dict[str, Any], source: str) -> dict[str, Any]:
 
 PHI3_FAMILY = Family(
     model_type="phi3", name="Phi-3",
-    fields={"sliding_window": Check(_window_ok, "a positive int or null", used=True),
+    fields={"sliding_window": WINDOW_FIELD,
             "resid_pdrop": "used",
             "embd_pdrop": "ignored: transformers' Phi-3 does not apply it",
             "partial_rotary_factor": "used (qkv.models.hf_rope: only 1.0)",

@@ -37,7 +37,7 @@ from ..files import (
 )
 
 __all__ = ["CheckpointWeights", "check_against_header", "check_and_load", "check_layer_counts",
-           "load_state_dict_file", "non_float", "same_values"]
+           "check_tied_head", "load_state_dict_file", "non_float", "same_values"]
 
 
 #: safetensors dtype names -> torch dtypes (those torch has)
@@ -334,6 +334,21 @@ def check_against_header(build: Callable[..., Any], weights: CheckpointWeights,
             f"{weights.directory / CONFIG_NAME}: describes tensors no machine can hold ({first}); "
             f"config fields larger than any size in {weights.source.name}: "
             f"{', '.join(big) or 'none'}") from None
+
+
+def check_tied_head(state: dict[str, Tensor], head: Tensor, embed_key: str, prefix: str,
+                    where: str) -> None:
+    """With ``tie_word_embeddings``, a stored head (V, C) must equal the embedding it is tied
+    to (``state[prefix + embed_key]`` or ``state[embed_key]``; transformers 5 would keep a
+    differing one apart, and qkv would silently use the embedding).
+
+    Raises:
+        CheckpointError naming ``where`` and the embedding, and what to set instead."""
+    embed = state.get(prefix + embed_key, state.get(embed_key))
+    if embed is not None and not same_values(embed, head):
+        raise CheckpointError(f"{where}: lm_head.weight differs from {embed_key} but config "
+                              f"tie_word_embeddings=True; set tie_word_embeddings to false "
+                              f"in config.json to load the separate head")
 
 
 def same_values(a: Tensor, b: Tensor) -> bool:

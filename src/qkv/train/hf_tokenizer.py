@@ -209,9 +209,6 @@ class HFTokenizer(TokenizerBase):
             atomic_write(path.parent / name,
                          lambda tmp, b=body: Path(tmp).write_text(b, encoding="utf-8"))
 
-    def _payload(self) -> dict:  # pragma: no cover - save is overridden
-        raise NotImplementedError
-
     def __repr__(self) -> str:
         return (f"HFTokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, "
                 f"bos_id={self.bos_id}, chat_template={self.chat_template is not None})")
