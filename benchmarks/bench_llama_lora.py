@@ -73,6 +73,7 @@ from benchmarks._harness import (
     print_table,
 )
 from benchmarks.bench_llama_decode import llama_config, random_llama
+from benchmarks.bench_lora import step_fn
 from qkv import models
 from qkv.peft import LoraConfig, add_lora
 
@@ -118,21 +119,6 @@ def trainable(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def step_fn(model: torch.nn.Module, loss_fn, ids: torch.Tensor) -> Callable[[], float]:
-    """One training step (forward, loss, backward, AdamW on the trainable parameters);
-    returns the loss."""
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-
-    def step() -> float:
-        loss = loss_fn(ids)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    return step
-
-
 def batch_ids(args, vocab: int) -> torch.Tensor:
     """The seeded (B, T) training batch (never the last id, the stand-in eos)."""
     torch.manual_seed(1)
@@ -143,7 +129,7 @@ def measure(case: str, args) -> dict:
     """In this (fresh) process: the first training step's peak resident growth, the
     process's ru_maxrss after it, the trainable parameter count."""
     model, loss_fn = build(case, Path(args.dir), args)
-    step = step_fn(model, loss_fn, batch_ids(args, model_vocab(args)))
+    step, _ = step_fn(model, loss_fn, batch_ids(args, model_vocab(args)))
     before = process_peak_mib()  # imports and the model's load
     peak = peak_growth_mib(step)  # resets the high-water mark to the current resident set
     return {"step_peak_mib": peak, "process_peak_mib": max(before, process_peak_mib()),
@@ -219,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
         fns, counts = {}, {}
         for case in names:
             model, loss_fn = build(case, hf_dir, args)
-            fns[case] = step_fn(model, loss_fn, ids)
+            fns[case], _ = step_fn(model, loss_fn, ids)
             counts[case] = trainable(model)
         for pair in {c.split(" ")[1] for c in names}:
             if counts[f"qkv {pair}"] != counts[f"hf-peft {pair}"]:
