@@ -25,7 +25,6 @@ line.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -363,14 +362,10 @@ class _Stream:
 def _is_model_directory(path: Path) -> bool:
     """A model directory (a HuggingFace tokenizer.json in it) rather than a `qkv train` run
     (whose tokenizer.json is qkv's own, with a "kind")."""
-    tok = path / "tokenizer.json"
-    if not tok.is_file():
-        return False
-    try:
-        data = json.loads(tok.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False  # the run's reader says what is wrong with it
-    return isinstance(data, dict) and "kind" not in data and "model" in data
+    from ..models.hub import tokenizer_file_kind
+
+    tok = path / "tokenizer.json"  # unreadable: the run's reader says what is wrong with it
+    return tok.is_file() and tokenizer_file_kind(tok) == "hf"
 
 
 def _generate_model_directory(args: argparse.Namespace) -> int:

@@ -44,7 +44,7 @@ from .weights import (
 __all__ = ["NORM_EPS_RANGE", "CheckpointError", "CheckpointWeights", "ModelConfig",
            "PretrainedMixin", "atomic_write", "check_against_header", "check_and_load",
            "check_layer_counts", "check_norm_eps", "load_state_dict_file", "load_tokenizer",
-           "non_float", "read_json", "same_values"]
+           "non_float", "read_json", "same_values", "tokenizer_file_kind"]
 
 
 class PretrainedMixin:
@@ -112,6 +112,19 @@ class PretrainedMixin:
         if "qkv_version" not in data and hasattr(cls, "from_hf"):
             return cls.from_hf(directory, allow_pickle=allow_pickle, **kwargs)
         return load_qkv_directory(cls, directory, allow_pickle=allow_pickle, **kwargs)
+
+
+def tokenizer_file_kind(path: str | os.PathLike) -> str | None:
+    """Who wrote the tokenizer.json at ``path``: "qkv" (qkv's own format, a JSON object with
+    a "kind"), "hf" (HuggingFace ``tokenizers``: an object with a "model"), "other" (an
+    object with neither), or None (no readable JSON object)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    return "qkv" if "kind" in data else "hf" if "model" in data else "other"
 
 
 def load_tokenizer(directory: str | os.PathLike):

@@ -217,11 +217,9 @@ class HFTokenizer(TokenizerBase):
 def _is_qkv_file(path: Path) -> bool:
     """Whether ``path`` is a tokenizer qkv's ``read_tokenizer`` writes (a JSON object with a
     "kind"), not a HuggingFace tokenizers file."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return True  # qkv's reader names what is wrong with it
-    return not isinstance(data, dict) or "kind" in data
+    from ..models.hub import tokenizer_file_kind
+
+    return tokenizer_file_kind(path) in (None, "qkv")  # unreadable: qkv's reader names why
 
 
 def read_run_tokenizer(directory: str | os.PathLike) -> Any:
