@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from ..modules.attention import MultiHeadAttention
 from ..modules.cache import KVCache
-from ..modules.feedforward import FeedForward, SwiGLU
+from ..modules.feedforward import GATED_ACTIVATIONS, FeedForward, SwiGLU
 from ..modules.layers import DecoderLayer, EncoderLayer, TokenRows
 from ..modules.linear_call import apply_linear
 from ..modules.norms import LayerNorm, RMSNorm
@@ -83,15 +83,18 @@ def _norm(config: TransformerConfig, factory: dict) -> nn.Module:
 
 def _ffn(config: TransformerConfig, factory: dict) -> nn.Module:
     c = config
-    if c.activation == "swiglu":
-        return SwiGLU(c.dim, c.ffn_hidden, bias=c.bias, dropout=c.dropout, **factory)
+    if c.activation in GATED_ACTIVATIONS:
+        return SwiGLU(c.dim, c.ffn_hidden, bias=c.bias, dropout=c.dropout,
+                      activation=GATED_ACTIVATIONS[c.activation], **factory)
     return FeedForward(c.dim, c.ffn_hidden, activation=c.activation, bias=c.bias,
                        dropout=c.dropout, **factory)
 
 
 def _mha(config: TransformerConfig, factory: dict) -> MultiHeadAttention:
-    return MultiHeadAttention(config.dim, config.num_heads, bias=config.bias,
-                              dropout=config.attn_dropout, **factory)
+    c = config
+    return MultiHeadAttention(c.dim, c.num_heads, bias=c.bias, dropout=c.attn_dropout,
+                              head_dim=c.attention_head_dim, scale=c.attention_scale,
+                              **factory)
 
 
 class Transformer(PretrainedMixin, nn.Module):
@@ -108,9 +111,12 @@ class Transformer(PretrainedMixin, nn.Module):
         encoder_bias, decoder_bias: relative bias producers (shared, or a ModuleList with
             one per layer), or None.
         encoder_layers, decoder_layers: ``EncoderLayer`` / ``DecoderLayer`` stacks.
+        src_embed_norm, tgt_embed_norm: the norms on each stack's embeddings
+            (``config.embed_norm``, BART's ``layernorm_embedding``), or None.
         encoder_norm, decoder_norm: the final norms (``config.final_norm``), or None.
-        lm_head: C -> V output projection, no bias; its weight *is* ``tgt_embed.weight``
-            with ``tie_output``.
+        lm_head: C -> V output projection, a bias only with ``config.head_bias``; its weight
+            *is* ``tgt_embed.weight`` with ``tie_output``. The decoder output is multiplied by
+            ``config.head_scale`` before it (T5's C^-0.5 with tied embeddings).
 
     ``tied_keys`` (state-dict keys not written by ``save_pretrained``, re-tied on load):
     ``lm_head.weight`` with ``tie_output``, ``tgt_embed.weight`` with ``share_embeddings``.
@@ -143,6 +149,8 @@ class Transformer(PretrainedMixin, nn.Module):
         parts = build_positions(c, **factory)
         self.src_positions, self.tgt_positions = parts.src, parts.tgt
         self.encoder_bias, self.decoder_bias = parts.encoder_bias, parts.decoder_bias
+        self.src_embed_norm = _norm(c, factory) if c.embed_norm else None
+        self.tgt_embed_norm = _norm(c, factory) if c.embed_norm else None
         self.dropout = nn.Dropout(c.dropout)
         self.encoder_layers = nn.ModuleList(
             EncoderLayer(_mha(c, factory), _ffn(c, factory), _norm(c, factory),
@@ -155,7 +163,9 @@ class Transformer(PretrainedMixin, nn.Module):
             for _ in range(c.num_decoder_layers))
         self.encoder_norm = _norm(c, factory) if c.final_norm else None
         self.decoder_norm = _norm(c, factory) if c.final_norm else None
-        self.lm_head = nn.Linear(c.dim, c.tgt_vocab_size, bias=False, **factory)
+        self.lm_head = nn.Linear(c.dim, c.tgt_vocab_size, bias=c.head_bias, **factory)
+        if c.head_bias:
+            nn.init.zeros_(self.lm_head.bias)
         if c.tie_output:
             self.lm_head.weight = self.tgt_embed.weight
         self.tied_keys = tuple(k for k, on in (("tgt_embed.weight", c.share_embeddings),
@@ -193,8 +203,9 @@ class Transformer(PretrainedMixin, nn.Module):
         return None if bool(mask.all()) else mask.to(device)
 
     def _embed(self, ids: Tensor, table: nn.Embedding, pos_module: nn.Module | None,
-               positions: Tensor, name: str) -> Tensor:
-        """ids (B, L) -> (B, L, C): embedding · scale + positions, then dropout."""
+               positions: Tensor, name: str, norm: nn.Module | None) -> Tensor:
+        """ids (B, L) -> (B, L, C): embedding · scale + positions, the embedding norm if any,
+        then dropout."""
         x = table(ids)
         if self._scale != 1.0:
             x = x * self._scale
@@ -204,8 +215,17 @@ class Transformer(PretrainedMixin, nn.Module):
                 raise ValueError(f"Transformer: {name} reaches position {top}, beyond "
                                  f"max_len={self.config.max_len} of the "
                                  f"{self.config.positions!r} positions")
-            x = pos_module(x, positions)
+            x = pos_module(x, positions + self.config.position_offset)
+        if norm is not None:
+            x = norm(x)
         return self.dropout(x)
+
+    def head(self, x: Tensor) -> Tensor:
+        """Decoder output (B, N, C) -> logits (B, N, V): ``x · head_scale`` through
+        ``lm_head``."""
+        if self.config.head_scale != 1.0:
+            x = x * self.config.head_scale
+        return apply_linear(self.lm_head, x)
 
     # --- stacks -----------------------------------------------------------------------------
     def _encoder(self, x: Tensor, keep: Tensor | None, need_weights: bool
@@ -299,7 +319,8 @@ class Transformer(PretrainedMixin, nn.Module):
         keep = self._keep("src", b, s, src_lengths, src_mask, src.device)
         pos = (torch.arange(s, device=src.device) if keep is None
                else positions_from_mask(keep))  # (S,) or (B, S)
-        x = self._embed(src, self.src_embed, self.src_positions, pos, "src")
+        x = self._embed(src, self.src_embed, self.src_positions, pos, "src",
+                        self.src_embed_norm)
         memory, weights = self._encoder(x, keep, need_weights)
         full = torch.ones(b, s, dtype=torch.bool, device=src.device) if keep is None else keep
         return memory, full, weights
@@ -367,7 +388,7 @@ class Transformer(PretrainedMixin, nn.Module):
         x, w_self, w_cross = self._decode_hidden(
             tgt, memory, memory_mask=memory_mask, memory_kv=memory_kv, tgt_lengths=tgt_lengths,
             tgt_mask=tgt_mask, cache=cache, need_weights=output_attentions)
-        logits = apply_linear(self.lm_head, x)  # (B, N, V)
+        logits = self.head(x)  # (B, N, V)
         if output_attentions:
             return TransformerOutput(logits, (), tuple(w_self), tuple(w_cross))
         return logits
@@ -416,7 +437,8 @@ class Transformer(PretrainedMixin, nn.Module):
         self_keep = self._keep("tgt", b, past + n, tgt_lengths, tgt_mask, tgt.device)
         pos = (torch.arange(past, past + n, device=tgt.device) if self_keep is None
                else positions_from_mask(self_keep)[:, past:])  # (N,) or (B, N)
-        x = self._embed(tgt, self.tgt_embed, self.tgt_positions, pos, "tgt")
+        x = self._embed(tgt, self.tgt_embed, self.tgt_positions, pos, "tgt",
+                        self.tgt_embed_norm)
         return self._decoder(x, memory=memory, memory_kv=memory_kv, memory_keep=memory_keep,
                              self_keep=self_keep, cache=cache, causal=True,
                              need_weights=need_weights)
@@ -451,7 +473,7 @@ class Transformer(PretrainedMixin, nn.Module):
         x, w_self, w_cross = self._decode_hidden(
             tgt, memory, memory_mask=keep, memory_kv=None, tgt_lengths=tgt_lengths,
             tgt_mask=tgt_mask, cache=None, need_weights=output_attentions)
-        logits = apply_linear(self.lm_head, x)  # (B, N, V)
+        logits = self.head(x)  # (B, N, V)
         if output_attentions:
             return TransformerOutput(logits, tuple(w_enc), tuple(w_self), tuple(w_cross))
         return logits

@@ -13,8 +13,8 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import nn
 
-from ..modules.feedforward import ACTIVATIONS
-from ..modules.positions import Learned, Sinusoidal
+from ..modules.feedforward import ACTIVATIONS, GATED_ACTIVATIONS
+from ..modules.positions import SINUSOIDAL_LAYOUTS, Learned, Sinusoidal
 from ..modules.relative import ALiBi, ShawRelative, T5Bias
 from .config import ModelConfig, check_norm_eps
 
@@ -50,7 +50,9 @@ class TransformerConfig(ModelConfig):
         num_encoder_layers, num_decoder_layers: stack depths.
         num_heads: H; ``dim % num_heads == 0``.
         ffn_hidden: the feed-forward hidden width (d_ff).
-        activation: FFN activation: "relu" (paper), "gelu", "gelu_tanh", "silu" or "swiglu".
+        activation: FFN activation: "relu" (paper), "gelu", "gelu_tanh", "silu", or a gated
+            FFN ``GATED_ACTIVATIONS``: "swiglu", "geglu_tanh" (T5 v1.1 / Flan-T5's gated-gelu),
+            "geglu".
         norm_first: False: post-norm, x = norm(x + f(x)) (paper); True: pre-norm.
         norm_eps: epsilon of the norms, in [1e-38, 1].
         dropout: on embeddings + positions, after each sublayer, inside the FFN.
@@ -72,6 +74,20 @@ class TransformerConfig(ModelConfig):
         relative_num_buckets: T5 buckets.
         relative_max_distance: T5's max distance (default 128) or Shaw's clip distance
             (default 16).
+
+    Variants of pretrained encoder-decoders (defaults: the paper's model):
+        attention_head_dim: D when H·D != C (Flan-T5-small: 6 heads of 64 at C = 512); None:
+            C / H.
+        attention_scale: the factor on q·k in every attention; None: 1/sqrt(D). T5: 1.0 (its
+            initialisation folds the scale into the query weights).
+        head_bias: the output projection has a bias (HF BART/Marian's ``final_logits_bias``).
+        head_scale: the decoder output is multiplied by it before the output projection
+            (T5 with tied embeddings: C^-0.5).
+        embed_norm: a norm on each stack's embeddings (after scale and positions; BART's
+            ``layernorm_embedding``), modules ``src_embed_norm`` / ``tgt_embed_norm``.
+        position_offset: "learned" positions read table row ``position + offset``; the table
+            has ``max_len + offset`` rows (BART's offset of 2).
+        sinusoidal_layout: "interleaved" (the paper) or "halves" (Marian's [sin | cos]).
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
@@ -119,20 +135,49 @@ class TransformerConfig(ModelConfig):
     bias: bool = True
     relative_num_buckets: int = 32
     relative_max_distance: int | None = None
+    attention_head_dim: int | None = None
+    attention_scale: float | None = None
+    head_bias: bool = False
+    head_scale: float = 1.0
+    embed_norm: bool = False
+    position_offset: int = 0
+    sinusoidal_layout: str = "interleaved"
 
     def __post_init__(self) -> None:
         for name in ("src_vocab_size", "tgt_vocab_size", "dim", "num_encoder_layers",
                      "num_decoder_layers", "num_heads", "ffn_hidden", "max_len",
                      "relative_num_buckets"):
             _positive_int(name, getattr(self, name))
-        if self.relative_max_distance is not None:
-            _positive_int("relative_max_distance", self.relative_max_distance)
-        if self.dim % self.num_heads:
+        for name in ("relative_max_distance", "attention_head_dim"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        if self.attention_head_dim is None and self.dim % self.num_heads:
             raise ValueError(f"TransformerConfig: dim={self.dim} is not divisible by "
-                             f"num_heads={self.num_heads}")
-        if self.activation not in (*ACTIVATIONS, "swiglu"):
+                             f"num_heads={self.num_heads} (set attention_head_dim for "
+                             f"H·D != C)")
+        if self.activation not in (*ACTIVATIONS, *GATED_ACTIVATIONS):
             raise ValueError(f"TransformerConfig: activation must be one of "
-                             f"{sorted((*ACTIVATIONS, 'swiglu'))}, got {self.activation!r}")
+                             f"{sorted((*ACTIVATIONS, *GATED_ACTIVATIONS))}, "
+                             f"got {self.activation!r}")
+        for name in ("attention_scale", "head_scale"):
+            value = getattr(self, name)
+            if value is None and name == "attention_scale":
+                continue
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"TransformerConfig: {name} must be a finite number > 0"
+                                 + (" or None" if name == "attention_scale" else "")
+                                 + f", got {value!r}")
+        if (not isinstance(self.position_offset, int) or isinstance(self.position_offset, bool)
+                or self.position_offset < 0):
+            raise ValueError(f"TransformerConfig: position_offset must be an int >= 0, "
+                             f"got {self.position_offset!r}")
+        if self.position_offset and self.positions != "learned":
+            raise ValueError(f"TransformerConfig: position_offset={self.position_offset} is for "
+                             f"\"learned\" positions, got positions={self.positions!r}")
+        if self.sinusoidal_layout not in SINUSOIDAL_LAYOUTS:
+            raise ValueError(f"TransformerConfig: sinusoidal_layout must be one of "
+                             f"{SINUSOIDAL_LAYOUTS}, got {self.sinusoidal_layout!r}")
         if self.positions not in POSITIONS:
             raise ValueError(f"TransformerConfig: positions must be one of {POSITIONS}, "
                              f"got {self.positions!r}")
@@ -160,15 +205,15 @@ class TransformerConfig(ModelConfig):
         if self.final_norm is None:
             object.__setattr__(self, "final_norm", bool(self.norm_first))
         for name in ("norm_first", "share_embeddings", "tie_output", "scale_embeddings",
-                     "final_norm", "bias"):
+                     "final_norm", "bias", "head_bias", "embed_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TransformerConfig: {name} must be a bool, "
                                  f"got {getattr(self, name)!r}")
 
     @property
     def head_dim(self) -> int:
-        """D = dim // num_heads."""
-        return self.dim // self.num_heads
+        """D: ``attention_head_dim``, else dim // num_heads."""
+        return self.attention_head_dim or self.dim // self.num_heads
 
     @property
     def absolute_positions(self) -> bool:
@@ -197,11 +242,13 @@ def build_positions(config: TransformerConfig, *, device: torch.device | str | N
     c = config
     factory = {"device": device, "dtype": dtype}
     if c.positions == "sinusoidal":
-        pe = Sinusoidal(c.dim, max_len=c.max_len)  # no state: one module serves both sides
+        pe = Sinusoidal(c.dim, max_len=c.max_len, layout=c.sinusoidal_layout)  # no state: one
+        # module serves both sides
         return PositionParts(pe, pe, None, None)
     if c.positions == "learned":
-        return PositionParts(Learned(c.max_len, c.dim, **factory),
-                             Learned(c.max_len, c.dim, **factory), None, None)
+        rows = c.max_len + c.position_offset
+        return PositionParts(Learned(rows, c.dim, **factory), Learned(rows, c.dim, **factory),
+                             None, None)
     if c.positions == "alibi":
         return PositionParts(None, None, ALiBi(c.num_heads), ALiBi(c.num_heads))
     if c.positions == "t5":

@@ -26,7 +26,8 @@ from torch import Tensor, nn
 
 from .rope_scaling import RopeScaling, rope_frequencies
 
-__all__ = ["Learned", "PositionError", "RoPE", "Sinusoidal", "positions_from_mask"]
+__all__ = ["SINUSOIDAL_LAYOUTS", "Learned", "PositionError", "RoPE", "Sinusoidal",
+           "positions_from_mask"]
 
 
 class PositionError(IndexError, ValueError):
@@ -144,12 +145,19 @@ def positions_from_mask(keep: Tensor) -> Tensor:
     return pos.clamp_min(0).masked_fill(~keep, 0)
 
 
+#: ``Sinusoidal`` layouts: sin/cos interleaved (the paper) or concatenated halves [sin | cos]
+SINUSOIDAL_LAYOUTS = ("interleaved", "halves")
+
+
 class Sinusoidal(nn.Module):
     """Fixed sinusoidal encoding of Vaswani et al. 2017, added to the input.
 
     ``PE[pos, 2i] = sin(pos / base^(2i/dim))`` and ``PE[pos, 2i+1] = cos(pos / base^(2i/dim))``:
-    sin and cos interleaved as in the paper (tensor2tensor instead concatenates [sin | cos]).
-    The input is not scaled by sqrt(dim); that belongs to the token embedding.
+    sin and cos interleaved as in the paper (``layout="interleaved"``). ``layout="halves"``
+    concatenates them instead, ``PE[pos, i] = sin(...)`` and ``PE[pos, C/2 + i] = cos(...)``
+    for i < C/2 (tensor2tensor, fairseq and Marian / opus-mt, whose HF checkpoints do not
+    store the table). The input is not scaled by sqrt(dim); that belongs to the token
+    embedding.
 
     Args:
         dim: model width C; must be even.
@@ -157,14 +165,20 @@ class Sinusoidal(nn.Module):
             positions ``< max_len``. It is a cache, not a limit: other positions are computed
             from the formula. Nothing is stored in the state dict.
         base: the wavelength base (10000 in the paper).
+        layout: "interleaved" (the paper) or "halves" ([sin | cos]).
 
     ``forward(x, positions=None, *, offset=0)``: x (B, N, C) -> x + PE[positions] (B, N, C)
     in x's dtype.
     """
 
-    def __init__(self, dim: int, *, max_len: int | None = None, base: float = 10000.0) -> None:
+    def __init__(self, dim: int, *, max_len: int | None = None, base: float = 10000.0,
+                 layout: str = "interleaved") -> None:
         super().__init__()
         self.dim = _check_dim(dim, "dim")
+        if layout not in SINUSOIDAL_LAYOUTS:
+            raise ValueError(f"Sinusoidal: layout must be one of {SINUSOIDAL_LAYOUTS}, "
+                             f"got {layout!r}")
+        self.layout = layout
         if max_len is not None and (
             not isinstance(max_len, int) or isinstance(max_len, bool) or max_len <= 0
         ):
@@ -174,13 +188,16 @@ class Sinusoidal(nn.Module):
         self._table: Tensor | None = None  # (max_len, C) fp32; a cache, not a buffer
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, max_len={self.max_len}, base={self.base:g}"
+        return (f"dim={self.dim}, max_len={self.max_len}, base={self.base:g}, "
+                f"layout={self.layout!r}")
 
     def _formula(self, positions: Tensor) -> Tensor:
         """(...) int -> (..., C) fp32, from the formula."""
         adt = _angle_dtype(positions.device)
         inv = _inv_freq(self.dim // 2, self.dim, self.base, positions.device, adt)  # (C/2,)
         angles = positions.to(adt).unsqueeze(-1) * inv  # (..., C/2)
+        if self.layout == "halves":
+            return torch.cat((angles.sin(), angles.cos()), dim=-1).to(torch.float32)  # (..., C)
         pe = torch.stack((angles.sin(), angles.cos()), dim=-1)  # (..., C/2, 2)
         return pe.flatten(-2).to(torch.float32)  # (..., C)
 
