@@ -12,6 +12,10 @@ Shapes: B batch, N padded sequence length.
 - Tokenizers (``qkv.data.tokenizer``): ``CharTokenizer``, ``BPETokenizer``,
   ``read_tokenizer``; their shared base (``qkv.data.tokenizer_base``) ``TokenizerBase``,
   ``SPECIALS`` (``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3).
+- Tokenizers of HF encoder-decoder directories (``qkv.data.seq2seq_tokenizer``):
+  ``load_seq2seq_tokenizer(directory) -> Seq2SeqTokenizer`` (tokenizer.json, Marian's
+  source/target.spm + vocab.json, T5's spiece.model; ids framed as transformers frames them),
+  ``check_embedding_rows``.
 - Files (``qkv.data.files``): ``read_pairs`` (TSV source<TAB>target), ``read_text``,
   ``DataError`` (a ValueError).
 - Images (``qkv.data.shapes``): ``ShapesDataset`` (synthetic coloured shapes, captions in
@@ -59,6 +63,8 @@ from .dates import (
 from .files import DataError, read_pairs, read_text
 from .folder_pairs import FolderPairs
 from .images_folder import ImageFolderDataset, load_image
+from .seq2seq_base import Seq2SeqTokenizer, check_embedding_rows
+from .seq2seq_tokenizer import load_seq2seq_tokenizer
 from .shapes import (
     COLOURS,
     COMBINATIONS,
@@ -95,3 +101,4 @@ __all__ += ["COLOURS", "COMBINATIONS", "SHAPES", "ImageFolderDataset", "ShapesBa
 __all__ += ["IMAGE_CHAR", "QABatch", "QAPair", "QARow", "ShapesQADataset", "image_token_id",
             "qa_alphabet"]
 __all__ += ["FolderPairs", "ShapesPairs", "TokenizerBase", "encode_texts"]
+__all__ += ["Seq2SeqTokenizer", "check_embedding_rows", "load_seq2seq_tokenizer"]
