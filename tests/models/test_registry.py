@@ -270,11 +270,13 @@ def test_unknown_model_type_is_one_error_listing_the_known_ones(tmp_path):
     assert "'falcon'" in msg and "FalconForCausalLM" in msg
     for known in registry.known_model_types():
         assert known in msg
-    with pytest.raises(CheckpointError, match=r"model_type None .*known: bert, clip, gemma, "):
+    with pytest.raises(CheckpointError,
+                       match=r"model_type None .*known: bart, bert, clip, gemma, "):
         registry.entry_for(None)
-    with pytest.raises(CheckpointError, match=r"not supported; supported: \['bert', 'clip', "
-                                              r"'gemma', 'gemma2', 'gpt2', 'llama', "
-                                              r"'mistral', 'phi3', 'qwen2', 'qwen3', 'vit'\]"):
+    with pytest.raises(CheckpointError, match=r"not supported; supported: \['bart', 'bert', "
+                                              r"'clip', 'gemma', 'gemma2', 'gpt2', 'llama', "
+                                              r"'marian', 'mistral', 'phi3', 'qwen2', "
+                                              r"'qwen3', 't5', 'vit'\]"):
         qkv.models.from_hf(tmp_path)
 
 

@@ -76,8 +76,7 @@ def test_attention_head_dim_and_scale_and_gated_ffn():
     out = m(src, torch.tensor([[1, 6]]), output_attentions=True)
     # unscaled scores: the encoder's weights are softmax(q·k) (no 1/sqrt(D)), fp64 here
     x = m._embed(src, m.src_embed, m.src_positions, torch.arange(4), "src", None).double()
-    h = x if m.config.norm_first else x
-    q, k, _ = (h @ attn.in_proj.weight.double().T + attn.in_proj.bias.double()).split(24, -1)
+    q, k, _ = (x @ attn.in_proj.weight.double().T + attn.in_proj.bias.double()).split(24, -1)
     q, k = (t.view(1, 4, 3, 8).transpose(1, 2) for t in (q, k))
     want = torch.softmax(q @ k.transpose(-1, -2), dim=-1)
     torch.testing.assert_close(out.encoder_attentions[0].double(), want, atol=1e-5, rtol=0)

@@ -88,7 +88,8 @@ class ModelEntry:
 
 
 ENTRIES: tuple[ModelEntry, ...] = (
-    ModelEntry("qkv-transformer", TransformerConfig, Transformer, quantizable=True),
+    ModelEntry("qkv-transformer", TransformerConfig, Transformer, ("t5", "bart", "marian"),
+               quantizable=True),
     ModelEntry("qkv-gpt", GPTConfig, GPT, ("gpt2", "llama", "mistral", "qwen2", "qwen3",
                                            "gemma", "gemma2", "phi3"), quantizable=True),
     ModelEntry("qkv-bert", BERTConfig, BERT, ("bert",), quantizable=True),

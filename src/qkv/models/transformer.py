@@ -28,8 +28,10 @@ memory_mask=memory_mask, cache=cache)`` per step.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +45,10 @@ from ..modules.linear_call import apply_linear
 from ..modules.norms import LayerNorm, RMSNorm
 from ..modules.positions import positions_from_mask
 from ..ops.masks import Padding
+from .hf_bart import BART
+from .hf_load import HFMapping, load_hf, mapping_for
+from .hf_marian import MARIAN
+from .hf_t5 import T5
 from .hub import PretrainedMixin
 from .inputs import check_token_ids
 from .transformer_config import TransformerConfig, build_positions, embedding_scale
@@ -123,6 +129,9 @@ class Transformer(PretrainedMixin, nn.Module):
     """
 
     config_class = TransformerConfig
+    #: the HuggingFace encoder-decoders it reads (``from_hf``): T5 / Flan-T5, BART, Marian
+    hf_mapping: ClassVar[HFMapping] = T5
+    hf_mappings: ClassVar[tuple[HFMapping, ...]] = (T5, BART, MARIAN)
     #: keys that may be tied (``from_pretrained`` fills those the file lacks from the tie);
     #: each instance narrows this to the keys tied under its config.
     tied_keys = ("tgt_embed.weight", "lm_head.weight")
@@ -477,6 +486,20 @@ class Transformer(PretrainedMixin, nn.Module):
         if output_attentions:
             return TransformerOutput(logits, tuple(w_enc), tuple(w_self), tuple(w_cross))
         return logits
+
+    # --- HuggingFace -------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, directory: str | os.PathLike, *, allow_pickle: bool = False,
+                **kwargs: Any) -> Transformer:
+        """A ``Transformer`` from a local HuggingFace T5 / Flan-T5, BART or Marian (opus-mt)
+        directory (config.json + model.safetensors, or its shards; pytorch_model.bin only
+        with ``allow_pickle=True``, read with ``torch.load(weights_only=True)``), by the
+        mapping of its ``model_type`` (``qkv.models.hf_t5``, ``hf_bart``, ``hf_marian``).
+        Returned in eval mode. A config option qkv does not compute, or a key or shape that
+        does not fit, raises ``CheckpointError`` and loads nothing; ``kwargs`` (device,
+        dtype) go to the constructor."""
+        return load_hf(mapping_for(cls, directory), cls, directory, allow_pickle=allow_pickle,
+                       **kwargs)
 
     # --- torch.nn.Transformer interop -------------------------------------------------------
     @classmethod
