@@ -223,10 +223,12 @@ def test_layer_counts_and_model_type_are_checked(tmp_path, loaded):
 def test_training_only_differences_warn(tmp_path, loaded):
     directory = save_hf(loaded["marian"][0], tmp_path / "m",
                         config={"activation_dropout": 0.3, "encoder_layerdrop": 0.1})
-    with pytest.warns(UserWarning, match="activation_dropout=0.3") as record:
+    with pytest.warns(UserWarning, match="encoder_layerdrop=0.1") as record:
         ours = load_hf(MARIAN, Transformer, directory)
-    assert any("encoder_layerdrop=0.1" in str(w.message) for w in record)
-    assert ours.config.dropout == 0.0
+    assert not any("activation_dropout" in str(w.message) for w in record)
+    # activation_dropout is the FFN's inner dropout (ffn_dropout), the rest is dropout
+    assert ours.config.dropout == 0.0 and ours.config.ffn_dropout == 0.3
+    assert ours.encoder_layers[0].ffn.dropout.p == 0.3
 
 
 # --- the audit tables ---------------------------------------------------------------------

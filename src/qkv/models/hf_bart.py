@@ -104,9 +104,7 @@ SEQ2SEQ_FIELDS: dict[str, str | Check] = {
     "activation_function": Check(_known_activation, f"qkv computes {sorted(HF_ACTIVATIONS)}",
                                  used=True),
     "dropout": "used", "attention_dropout": "used",
-    "activation_dropout": Check(
-        lambda v, d: v == d.get("dropout", 0.1), "qkv's FFN drops out with `dropout` inside "
-        "too: training differs; eval outputs are the same", warn=True),
+    "activation_dropout": "used (ffn_dropout)",
     "encoder_layerdrop": _LAYERDROP, "decoder_layerdrop": _LAYERDROP,
     "scale_embedding": "used",
     "tie_word_embeddings": "used",
@@ -192,6 +190,7 @@ def seq2seq_fields(hf: dict[str, Any], defaults: dict[str, Any], source: str, na
             activation=HF_ACTIVATIONS[hf["activation_function"]], norm_first=False,
             final_norm=False, norm="layernorm", norm_eps=1e-5, bias=True,
             dropout=float(hf["dropout"]), attn_dropout=float(hf["attention_dropout"]),
+            ffn_dropout=float(hf["activation_dropout"]),
             max_len=int(hf["max_position_embeddings"]),
             scale_embeddings=bool(hf["scale_embedding"]), pad_id=int(hf["pad_token_id"]),
             eos_id=int(eos[0] if isinstance(eos, list) else eos), bos_id=int(start),

@@ -89,11 +89,12 @@ def _norm(config: TransformerConfig, factory: dict) -> nn.Module:
 
 def _ffn(config: TransformerConfig, factory: dict) -> nn.Module:
     c = config
+    inner = c.dropout if c.ffn_dropout is None else c.ffn_dropout
     if c.activation in GATED_ACTIVATIONS:
-        return SwiGLU(c.dim, c.ffn_hidden, bias=c.bias, dropout=c.dropout,
+        return SwiGLU(c.dim, c.ffn_hidden, bias=c.bias, dropout=inner,
                       activation=GATED_ACTIVATIONS[c.activation], **factory)
     return FeedForward(c.dim, c.ffn_hidden, activation=c.activation, bias=c.bias,
-                       dropout=c.dropout, **factory)
+                       dropout=inner, **factory)
 
 
 def _mha(config: TransformerConfig, factory: dict) -> MultiHeadAttention:

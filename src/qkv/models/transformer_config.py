@@ -55,8 +55,11 @@ class TransformerConfig(ModelConfig):
             "geglu".
         norm_first: False: post-norm, x = norm(x + f(x)) (paper); True: pre-norm.
         norm_eps: epsilon of the norms, in [1e-38, 1].
-        dropout: on embeddings + positions, after each sublayer, inside the FFN.
+        dropout: on embeddings + positions, after each sublayer, and inside the FFN unless
+            ``ffn_dropout`` is set.
         attn_dropout: on the attention weights.
+        ffn_dropout: inside the FFN, after its activation (BART/Marian's
+            ``activation_dropout``); None: ``dropout``.
         max_len: the longest source or target sequence. Enforced for "sinusoidal" and
             "learned" positions (a ValueError beyond it); the relative schemes have no table.
         positions: "sinusoidal" (paper), "learned" (separate source/target tables), or a
@@ -122,6 +125,7 @@ class TransformerConfig(ModelConfig):
     norm_eps: float = 1e-5
     dropout: float = 0.1
     attn_dropout: float = 0.0
+    ffn_dropout: float | None = None
     max_len: int = 1024
     positions: str = "sinusoidal"
     share_embeddings: bool = False
@@ -187,8 +191,10 @@ class TransformerConfig(ModelConfig):
         if self.norm not in ("layernorm", "rmsnorm"):
             raise ValueError(f"TransformerConfig: norm must be 'layernorm' or 'rmsnorm', "
                              f"got {self.norm!r}")
-        for name in ("dropout", "attn_dropout"):
+        for name in ("dropout", "attn_dropout", "ffn_dropout"):
             p = getattr(self, name)
+            if p is None and name == "ffn_dropout":
+                continue
             if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
                 raise ValueError(f"TransformerConfig: {name} must be in [0, 1), got {p!r}")
         check_norm_eps("TransformerConfig", self.norm_eps)
