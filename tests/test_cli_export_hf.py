@@ -1,11 +1,15 @@
 """``qkv export SRC --format hf --out DIR``: a HuggingFace directory transformers loads with the
 source's logits, from an HF model directory (its tokenizer files and token ids kept, its
 family kept unless ``--hf-type`` says otherwise) or a ``qkv train`` run (its BPE tokenizer
-as HF's tokenizer.json); refusals end with one line and leave nothing behind.
+as HF's tokenizer.json); encoder-decoders too: an HF Marian directory with its SentencePiece
+tokenizer, a qkv-saved Transformer (the paper's: as Marian); refusals end with one line and
+leave nothing behind.
 
-Oracles: transformers' AutoModelForCausalLM / AutoTokenizer loading the written directory,
-against the source HF model or the run's own model and tokenizer. Tolerance: logits within
-1e-5 of the logits' largest magnitude; tokenizer ids and copied files exactly equal.
+Oracles: transformers' AutoModelForCausalLM / AutoModelForSeq2SeqLM / AutoTokenizer /
+MarianTokenizer loading the written directory, against the source HF model or the run's own
+model and tokenizer. Tolerance: logits within 1e-5 of the logits' largest magnitude (1e-6
+where the source is an HF model: the same weights through the same code); tokenizer ids and
+copied files exactly equal.
 """
 
 from __future__ import annotations
@@ -135,3 +139,121 @@ def test_refusal_is_one_line_and_leaves_nothing(tmp_path, capsys):
     assert not out.exists()
     assert main(["export", str(tmp_path / "nope"), "--format", "hf", "--out", str(out)]) == 2
     assert "no such run directory" in capsys.readouterr().err
+
+
+# --- encoder-decoders (qkv.models.hf_export_seq2seq) ---------------------------------------
+_LINES = ("the quick brown fox jumps over the lazy dog", "attention lets every token look",
+          "the encoder reads the source sentence", "the decoder writes one token at a time",
+          "queries keys and values are projections", "beam search keeps the best hypotheses")
+
+
+def _seq2seq_batch(bos: int, pad: int) -> tuple[torch.Tensor, ...]:
+    """(src (2, 9) right-padded, mask, tgt (2, 5) from bos), real ids in [3, 30)."""
+    g = torch.Generator().manual_seed(4)
+    src = torch.randint(3, 30, (2, 9), generator=g)
+    mask = torch.ones_like(src)
+    mask[1, 5:] = 0
+    tgt = torch.randint(3, 30, (2, 5), generator=g)
+    tgt[:, 0] = bos
+    return src.masked_fill(mask == 0, pad), mask, tgt
+
+
+def _hf_seq2seq_logits(model, src, mask, tgt) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=src, attention_mask=mask, decoder_input_ids=tgt).logits
+
+
+@pytest.fixture(scope="module")
+def hf_marian(tmp_path_factory) -> tuple[torch.nn.Module, Path]:
+    """An HF Marian directory with its tokenizer: source.spm / target.spm trained here,
+    vocab.json (</s> 0, <unk> 1, the pieces, <pad> last: opus-mt's order) of V ids, the
+    model's vocabulary."""
+    spm = pytest.importorskip("sentencepiece")
+    from models._hf_bart_marian import hf_model as hf_seq2seq
+    from models._hf_bart_marian import save_hf as save_seq2seq
+
+    root = tmp_path_factory.mktemp("marian")
+    (root / "text.txt").write_text("\n".join(_LINES * 4))
+    vocab = {"</s>": 0, "<unk>": 1}
+    for side in ("source", "target"):
+        spm.SentencePieceTrainer.train(input=str(root / "text.txt"),
+                                       model_prefix=str(root / side), vocab_size=40,
+                                       hard_vocab_limit=False, minloglevel=2, num_threads=1)
+        proc = spm.SentencePieceProcessor(model_file=str(root / f"{side}.model"))
+        for i in range(proc.get_piece_size()):
+            if not (proc.is_control(i) or proc.is_unknown(i)):
+                vocab.setdefault(proc.id_to_piece(i), len(vocab))
+    vocab["<pad>"] = pad = len(vocab)
+    hf = hf_seq2seq("marian", vocab_size=pad + 1, pad_token_id=pad,
+                    decoder_start_token_id=pad)
+    src = save_seq2seq(hf, root / "src")
+    for side in ("source", "target"):
+        (src / f"{side}.spm").write_bytes((root / f"{side}.model").read_bytes())
+    (src / "vocab.json").write_text(json.dumps(vocab))
+    (src / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "MarianTokenizer", "model_max_length": 40}))
+    return hf, src
+
+
+@pytest.mark.filterwarnings("ignore:Recommended. pip install sacremoses")
+def test_hf_marian_directory_exports_with_its_tokenizer(hf_marian, tmp_path, capsys):
+    from qkv.data import load_seq2seq_tokenizer
+
+    hf, src = hf_marian
+    out = tmp_path / "out"
+    assert main(["export", str(src), "--format", "hf", "--out", str(out)]) == 0
+    assert "HuggingFace 'marian'" in capsys.readouterr().out
+    for name in ("source.spm", "target.spm", "vocab.json", "tokenizer_config.json",
+                 "generation_config.json"):
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    config = json.loads((out / "config.json").read_text())
+    pad = hf.config.pad_token_id
+    assert (config["pad_token_id"], config["decoder_start_token_id"], config["eos_token_id"]) \
+        == (pad, pad, 0)
+    back = transformers.MarianMTModel.from_pretrained(out, attn_implementation="eager").eval()
+    batch = _seq2seq_batch(pad, pad)
+    _close(_hf_seq2seq_logits(back, *batch), _hf_seq2seq_logits(hf, *batch), 1e-6)
+    text = "the lazy fox reads one sentence"
+    ids = transformers.MarianTokenizer.from_pretrained(out)(text)["input_ids"]
+    assert ids == load_seq2seq_tokenizer(src).encode(text) == load_seq2seq_tokenizer(
+        out).encode(text)
+
+
+def test_qkv_transformer_directory_exports_as_marian(tmp_path, capsys):
+    from qkv.models import Transformer, TransformerConfig
+
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig.from_name("transformer-tiny")).eval()  # the paper's
+    src = model.save_pretrained(tmp_path / "qkv")
+    out = tmp_path / "hf"
+    assert main(["export", str(src), "--format", "hf", "--out", str(out)]) == 0
+    assert "HuggingFace 'marian'" in capsys.readouterr().out
+    c = model.config
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen == {"decoder_start_token_id": c.bos_id, "eos_token_id": c.eos_id,
+                   "pad_token_id": c.pad_id, "forced_eos_token_id": c.eos_id,
+                   "bad_words_ids": [[c.pad_id]]}
+    theirs = transformers.AutoModelForSeq2SeqLM.from_pretrained(out).eval()
+    batch = _seq2seq_batch(c.bos_id, c.pad_id)
+    src_ids, mask, tgt = batch
+    with torch.no_grad():
+        ours = model(src_ids, tgt, src_mask=mask.bool())
+    _close(_hf_seq2seq_logits(theirs, *batch), ours, 1e-5)
+
+
+def test_seq2seq_refusals_are_one_line(hf_marian, tmp_path, capsys):
+    from qkv.models import Transformer, TransformerConfig
+
+    src = Transformer(TransformerConfig.from_name("transformer-tiny", positions="alibi")
+                      ).save_pretrained(tmp_path / "alibi")
+    out = tmp_path / "out"
+    assert main(["export", str(src), "--format", "hf", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qkv export: error: hf_config_for: this TransformerConfig cannot be "
+                          "exported to HF: positions='alibi'"), err
+    assert err.count("\n") == 1 and not out.exists()
+    assert main(["export", str(hf_marian[1]), "--format", "hf", "--hf-type", "t5",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be exported as HF T5 (model_type 't5', asked for)" in err, err
+    assert err.count("\n") == 1 and not out.exists()

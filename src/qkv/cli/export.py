@@ -17,14 +17,18 @@ stay where base.json says, unchanged.
 ``--format hf`` writes a HuggingFace directory instead (``qkv.models.hf_export.to_hf``):
 config.json + model.safetensors that ``transformers.AutoModelForCausalLM`` (a GPT: as GPT-2,
 Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2 or Phi-3, chosen from its config or by
-``--hf-type``) or ``BertForMaskedLM`` / ``BertModel`` (a BERT) loads with the same logits.
+``--hf-type``), ``BertForMaskedLM`` / ``BertModel`` (a BERT) or ``AutoModelForSeq2SeqLM``
+(an encoder-decoder Transformer: as T5, BART or Marian, by its positions or ``--hf-type``;
+with a generation_config.json of its start / eos / pad ids) loads with the same logits.
 RUN may then also be a model directory (qkv's or HF's, anything
 ``qkv.models.from_pretrained`` loads). The source's HF tokenizer files (tokenizer.json,
 tokenizer_config.json, special_tokens_map.json, generation_config.json, chat_template.jinja,
-vocabularies) are copied; a qkv BPE tokenizer becomes HF's tokenizer.json (with a
+vocabularies, T5's spiece.model, Marian's source.spm / target.spm / vocab.json /
+target_vocab.json) are copied; a qkv BPE tokenizer becomes HF's tokenizer.json (with a
 tokenizer_config.json for ``PreTrainedTokenizerFast``); a qkv char or word tokenizer has no HF
 form and is left out (the message says so). A model no HF class computes exactly (linear
-attention, a window on layers its family does not window...) is refused with the reason.
+attention, a window on layers its family does not window, ALiBi positions...) is refused
+with the reason.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ EXAMPLES = """examples:
   qkv generate runs/big-model --prompt "Once upon a time"
   qkv export runs/big --format hf --out runs/big-hf        # transformers loads runs/big-hf
   qkv export path/to/hf-phi3 --format hf --hf-type phi3 --out phi3-again
+  qkv export runs/translate --format hf --out runs/translate-hf   # a MarianMTModel
 """
 
 #: files of a plain checkpoint that belong to the training state, not to the model
@@ -61,8 +66,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "directory transformers loads")
     p.add_argument("--hf-type", default=None, metavar="MODEL_TYPE",
                    help="with --format hf: the HF model_type to write (gpt2, llama, mistral, "
-                        "qwen2, qwen3, gemma, gemma2, phi3, bert); default: the source's when "
-                        "it is an HF directory, else chosen from the model's config")
+                        "qwen2, qwen3, gemma, gemma2, phi3, bert; t5, bart, marian for an "
+                        "encoder-decoder); default: the source's when it is an HF directory, "
+                        "else chosen from the model's config")
     p.set_defaults(func=_run_export)
 
 
@@ -78,15 +84,17 @@ def _run_export(args: argparse.Namespace) -> int:
 
 def _hf_source(ckpt: Path) -> tuple[str | None, dict]:
     """(the source's HF model_type when its config.json is an HF one qkv exports, its
-    bos/eos/pad token ids)."""
+    bos/eos/pad (and an encoder-decoder's decoder_start) token ids)."""
     from ..files import read_json
     from ..models.hf_export import EXPORT_MODEL_TYPES
+    from ..models.hf_export_seq2seq import SEQ2SEQ_EXPORT_TYPES
 
     data = read_json(ckpt / "config.json") if (ckpt / "config.json").is_file() else {}
     if data.get("model_type") not in EXPORT_MODEL_TYPES:
         return None, {}
-    ids = {k: data[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-           if data.get(k) is not None}
+    names = ("bos_token_id", "eos_token_id", "pad_token_id") + (
+        ("decoder_start_token_id",) if data["model_type"] in SEQ2SEQ_EXPORT_TYPES else ())
+    ids = {k: data[k] for k in names if data.get(k) is not None}
     return data["model_type"], ids
 
 
@@ -126,7 +134,7 @@ def _write_tokenizer(ckpt: Path, out: Path) -> tuple[str, dict]:
 
 
 def _run_export_hf(args: argparse.Namespace) -> int:
-    from ..models import from_pretrained
+    from ..models import Transformer, from_pretrained
     from ..models.hf_export import (
         GENERATION_CONFIG_NAME,
         copy_tokenizer_files,
@@ -155,11 +163,13 @@ def _run_export_hf(args: argparse.Namespace) -> int:
             hf_config_for(model.config, model_type=wanted)  # refuse before writing anything
     except TypeError as err:
         raise UserError(f"{args.run}: {type(model).__name__} has no HF export "
-                        f"(GPT and BERT models do)") from err
+                        f"(GPT, BERT and encoder-decoder Transformer models do)") from err
     existed = Path(args.out).exists()
     out = new_output_dir(args.out)
     try:
         note, qkv_ids = _write_tokenizer(ckpt, out)
+        if isinstance(model, Transformer):  # its config holds pad, eos and the start id
+            qkv_ids = {}
         to_hf(model, out, model_type=wanted, token_ids={**qkv_ids, **ids} or None)
         # the source's generation defaults, over the token ids to_hf wrote
         copy_tokenizer_files(ckpt, out, (GENERATION_CONFIG_NAME,))

@@ -14,7 +14,9 @@ A loaded model remembers nothing of where it came from, so the HF family is chos
 qkv config (``choose_model_type``): a ``GPTConfig`` with learned positions is a GPT-2; one with
 RoPE is, in this order, Qwen3 (``qk_norm``), Gemma 2 (``rmsnorm_plus_one`` + ``post_norms``),
 Gemma (``rmsnorm_plus_one``), Qwen2 (q/k/v biases without an output bias), Mistral (a window
-on every layer), else Llama; a ``BERTConfig`` is a BERT. ``model_type=`` asks for one family
+on every layer), else Llama; a ``BERTConfig`` is a BERT; a ``TransformerConfig`` (the
+encoder-decoder) is T5, BART or Marian by its positions (``hf_export_seq2seq``, which writes
+their config, generation config and weights). ``model_type=`` asks for one family
 instead (Phi-3, say, whose fused tensors differ from Mistral's only in layout). What the
 chosen family cannot compute exactly is refused, every reason in one ``ValueError``
 (linear attention, a window on layers the family does not window, biases it does not have,
@@ -45,14 +47,23 @@ from .bert import BERT, BERTConfig
 from .gpt import GPT
 from .gpt_config import GPTConfig
 from .hf_bert import BERT_HF
+from .hf_export_seq2seq import (
+    SEQ2SEQ_EXPORT_TYPES,
+    choose_seq2seq_type,
+    seq2seq_config_for,
+    seq2seq_generation_config,
+    seq2seq_state_dict,
+)
 from .hf_gemma import GEMMA, GEMMA2
 from .hf_gpt2 import GPT2, is_conv1d_weight
 from .hf_llama import LLAMA, MISTRAL, QWEN2, QWEN3
 from .hf_load import HFMapping
 from .hf_phi3 import PHI3
 from .hf_rope import rope_to_hf
-from .hf_state import fused_parts
+from .hf_unmap import unmap_state
 from .quantized import is_quantized
+from .transformer import Transformer
+from .transformer_config import TransformerConfig
 
 __all__ = ["EXPORT_MODEL_TYPES", "GENERATION_CONFIG_NAME", "TOKENIZER_FILES",
            "choose_model_type", "copy_tokenizer_files", "hf_config_for", "hf_state_dict",
@@ -64,7 +75,9 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 #: as they are by ``copy_tokenizer_files``
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    GENERATION_CONFIG_NAME, "chat_template.jinja", "vocab.txt", "vocab.json",
-                   "merges.txt", "tokenizer.model", "added_tokens.json")
+                   "merges.txt", "tokenizer.model", "added_tokens.json",
+                   # T5's and Marian's SentencePiece files (qkv.data.seq2seq_tokenizer)
+                   "spiece.model", "source.spm", "target.spm", "target_vocab.json")
 
 #: qkv's plain activation -> the HF name written (GPT-2's own "gelu_new" for the tanh GELU)
 _PLAIN = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
@@ -102,24 +115,28 @@ _FAMILIES = {f.mapping.model_type: f for f in (
     _Family(BERT_HF, "BertForMaskedLM", "bert."),
 )}
 
-#: the HF model types ``to_hf`` writes
-EXPORT_MODEL_TYPES = tuple(_FAMILIES)
-_GPT_TYPES = tuple(t for t in EXPORT_MODEL_TYPES if t != "bert")
+_GPT_TYPES = tuple(t for t in _FAMILIES if t != "bert")
+#: the HF model types ``to_hf`` writes (decoders, BERT, then the encoder-decoders)
+EXPORT_MODEL_TYPES = (*_FAMILIES, *SEQ2SEQ_EXPORT_TYPES)
 _TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 # --- choosing the family ----------------------------------------------------------------------
-def choose_model_type(config: GPTConfig | BERTConfig) -> str:
-    """The HF ``model_type`` a qkv config is exported as (the module docstring's order);
-    ``hf_config_for`` then says whether that family computes it exactly.
+def choose_model_type(config: GPTConfig | BERTConfig | TransformerConfig) -> str:
+    """The HF ``model_type`` a qkv config is exported as (the module docstring's order; a
+    ``TransformerConfig`` by ``hf_export_seq2seq.choose_seq2seq_type``); ``hf_config_for``
+    then says whether that family computes it exactly.
 
     Raises:
-        TypeError: not a ``GPTConfig`` / ``BERTConfig``."""
+        TypeError: not a ``GPTConfig`` / ``BERTConfig`` / ``TransformerConfig``.
+        ValueError: a ``TransformerConfig`` with positions no HF encoder-decoder has."""
     if isinstance(config, BERTConfig):
         return "bert"
+    if isinstance(config, TransformerConfig):
+        return choose_seq2seq_type(config)
     if not isinstance(config, GPTConfig):
-        raise TypeError(f"choose_model_type: config must be a GPTConfig or BERTConfig, got "
-                        f"{type(config).__name__}")
+        raise TypeError(f"choose_model_type: config must be a GPTConfig, BERTConfig or "
+                        f"TransformerConfig, got {type(config).__name__}")
     c = config
     if c.positions == "learned":
         return "gpt2"
@@ -341,8 +358,8 @@ def _check_token_ids(token_ids: Any) -> dict[str, Any]:
 
 def _resolve(config: Any, model_type: str | None) -> str:
     if not isinstance(config, (GPTConfig, BERTConfig)):
-        raise TypeError(f"hf_config_for: config must be a GPTConfig or BERTConfig, got "
-                        f"{type(config).__name__}")
+        raise TypeError(f"hf_config_for: config must be a GPTConfig, BERTConfig or "
+                        f"TransformerConfig, got {type(config).__name__}")
     if model_type is None:
         return choose_model_type(config)
     allowed = ("bert",) if isinstance(config, BERTConfig) else _GPT_TYPES
@@ -361,13 +378,15 @@ def _refuse(config: GPTConfig, fam: str, *, asked: bool) -> None:
                          + "; ".join(why))
 
 
-def hf_config_for(config: GPTConfig | BERTConfig, *, model_type: str | None = None,
-                  token_ids: dict[str, Any] | None = None,
+def hf_config_for(config: GPTConfig | BERTConfig | TransformerConfig, *,
+                  model_type: str | None = None, token_ids: dict[str, Any] | None = None,
                   dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """The HF config.json dict of a qkv model with ``config``.
+    """The HF config.json dict of a qkv model with ``config``; a ``TransformerConfig`` is
+    ``hf_export_seq2seq.seq2seq_config_for``'s (T5, BART or Marian; its token ids come from
+    the config, ``token_ids`` may add ``bos_token_id``).
 
     Args:
-        config: a ``GPTConfig`` or ``BERTConfig``.
+        config: a ``GPTConfig``, ``BERTConfig`` or ``TransformerConfig``.
         model_type: the HF family to write (one of ``EXPORT_MODEL_TYPES``); None:
             ``choose_model_type(config)``.
         token_ids: ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` to record (what
@@ -386,6 +405,9 @@ def hf_config_for(config: GPTConfig | BERTConfig, *, model_type: str | None = No
     Warns:
         UserWarning: residual ``dropout`` dropped for a family without it (training only).
     """
+    if isinstance(config, TransformerConfig):
+        return seq2seq_config_for(config, model_type=model_type, token_ids=token_ids,
+                                  dtype=dtype)
     fam = _resolve(config, model_type)
     ids = _check_token_ids(token_ids)
     if fam == "bert":
@@ -410,8 +432,9 @@ def hf_config_for(config: GPTConfig | BERTConfig, *, model_type: str | None = No
 
 # --- the weights ----------------------------------------------------------------------------
 def _check_model(model: Any) -> None:
-    if not isinstance(model, (GPT, BERT)):
-        raise TypeError(f"to_hf: model must be a qkv GPT or BERT, got {type(model).__name__}")
+    if not isinstance(model, (GPT, BERT, Transformer)):
+        raise TypeError(f"to_hf: model must be a qkv Transformer, GPT or BERT, got "
+                        f"{type(model).__name__}")
     if is_quantized(model):
         raise ValueError("to_hf: the model is quantized with qkv.quantize (int8 layers); no HF "
                          "class reads qkv's int8 format: export the float model")
@@ -433,8 +456,9 @@ def _prefixed(name: str, fam: str, config: Any) -> str:
 
 
 def hf_state_dict(model: nn.Module, *, model_type: str | None = None) -> dict[str, Tensor]:
-    """The HF state dict of a qkv ``GPT`` / ``BERT`` (CPU tensors of the model's dtype, owning
-    their memory): the inverse of the family's key map.
+    """The HF state dict of a qkv ``GPT`` / ``BERT`` / ``Transformer`` (CPU tensors of the
+    model's dtype, owning their memory): the inverse of the family's key map (a
+    ``Transformer``: ``hf_export_seq2seq.seq2seq_state_dict``).
 
     Each qkv tensor (e.g. ``in_proj`` ((H + 2·Hkv)·D, C)) is split along dim 0 into the HF
     tensors its key-map value names (q (H·D, C), k, v (Hkv·D, C)); several qkv keys on one HF
@@ -445,42 +469,17 @@ def hf_state_dict(model: nn.Module, *, model_type: str | None = None) -> dict[st
     Raises:
         ValueError: a state-dict key the family's layout has no place for (adapters, added
             modules), a key it expects that the model lacks, or what ``hf_config_for``
-            refuses; TypeError: not a GPT or BERT.
+            refuses; TypeError: not a GPT, BERT or Transformer.
     """
     _check_model(model)
+    if isinstance(model, Transformer):
+        return seq2seq_state_dict(model, model_type=model_type)
     config = model.config
     fam = _resolve(config, model_type)
     if isinstance(config, GPTConfig):
         _refuse(config, fam, asked=model_type is not None)  # what the family cannot compute
-    key_map = _FAMILIES[fam].mapping.key_map(config)
-    own = model.state_dict()
-    extra = sorted(set(own) - set(key_map))
-    absent = sorted(set(key_map) - set(own))
-    if extra or absent:
-        raise ValueError(f"to_hf: the model's state dict does not fit HF "
-                         f"{_FAMILIES[fam].name}'s layout: keys with no HF place "
-                         f"{extra[:8]}{' ...' if len(extra) > 8 else ''}, expected keys "
-                         f"missing {absent[:8]}{' ...' if len(absent) > 8 else ''} (merge or "
-                         f"remove adapters and added modules first)")
-    out: dict[str, Tensor] = {}
-    for key, value in key_map.items():
-        t = own[key].detach()
-        if not t.is_floating_point():
-            raise ValueError(f"to_hf: {key} is {t.dtype}; HF's {_FAMILIES[fam].name} holds "
-                             f"floats")
-        parts = fused_parts(value, tuple(t.shape))
-        rows = [shape[0] for _, shape in parts]
-        if sum(rows) != t.shape[0]:
-            raise ValueError(f"to_hf: {key} has {t.shape[0]} rows; the key map splits it "
-                             f"into {rows}")
-        for (name, _), piece in zip(parts, t.split(rows), strict=True):
-            hf_name = _prefixed(name, fam, config)
-            if hf_name in out:
-                if not torch.equal(out[hf_name], piece.cpu()):
-                    raise ValueError(f"to_hf: {key} and another tensor both map to HF "
-                                     f"{hf_name} but differ")
-                continue  # a tied head: written once, as transformers saves it
-            out[hf_name] = piece.cpu().clone(memory_format=torch.contiguous_format)
+    out = unmap_state(model.state_dict(), _FAMILIES[fam].mapping.key_map(config),
+                      family=_FAMILIES[fam].name, rename=lambda n: _prefixed(n, fam, config))
     if fam == "gpt2":
         for name in [n for n in out if is_conv1d_weight(n)]:
             out[name] = out[name].t().contiguous()  # Linear (out, in) -> Conv1D (in, out)
@@ -489,15 +488,17 @@ def hf_state_dict(model: nn.Module, *, model_type: str | None = None) -> dict[st
 
 def to_hf(model: nn.Module, directory: str | os.PathLike, *, model_type: str | None = None,
           token_ids: dict[str, Any] | None = None) -> Path:
-    """Write ``model`` (a qkv ``GPT`` or ``BERT``) as a HuggingFace directory:
-    config.json (``hf_config_for``), model.safetensors (``hf_state_dict``) and, when
-    ``token_ids`` names any id, generation_config.json with them. Every write is atomic; the
-    directory is created if needed, and nothing is written before every check has passed.
+    """Write ``model`` (a qkv ``GPT``, ``BERT`` or ``Transformer``) as a HuggingFace
+    directory: config.json (``hf_config_for``), model.safetensors (``hf_state_dict``) and
+    generation_config.json (a GPT / BERT: when ``token_ids`` names any id, with them; a
+    ``Transformer``: always, ``hf_export_seq2seq.seq2seq_generation_config``). Every write is
+    atomic; the directory is created if needed, and nothing is written before every check
+    has passed.
 
-    ``transformers.AutoModelForCausalLM.from_pretrained(directory)`` (a GPT) or
+    ``transformers.AutoModelForCausalLM.from_pretrained(directory)`` (a GPT),
     ``BertForMaskedLM`` / ``BertModel`` (a BERT with / without its MLM head; its pooler
-    under ``bert.pooler``) then computes the model's logits; ``qkv.models.from_pretrained``
-    reads it back.
+    under ``bert.pooler``) or ``AutoModelForSeq2SeqLM`` (a Transformer: T5, BART or Marian)
+    then computes the model's logits; ``qkv.models.from_pretrained`` reads it back.
 
     Args:
         model: the model (any device; its dtype is kept).
@@ -512,18 +513,23 @@ def to_hf(model: nn.Module, directory: str | os.PathLike, *, model_type: str | N
             quantized model, interleaved RoPE.
     """
     _check_model(model)
-    fam = _resolve(model.config, model_type)
+    seq2seq = isinstance(model, Transformer)
+    fam = choose_model_type(model.config) if model_type is None else model_type
     state = hf_state_dict(model, model_type=model_type)  # refuses what fam cannot compute
-    dtype = model.embed.weight.dtype if isinstance(model, GPT) \
-        else model.word_embeddings.weight.dtype
-    hf = hf_config_for(model.config, model_type=fam, token_ids=token_ids, dtype=dtype)
+    table = (model.embed if isinstance(model, GPT) else model.src_embed if seq2seq
+             else model.word_embeddings)
+    hf = hf_config_for(model.config, model_type=fam, token_ids=token_ids,
+                       dtype=table.weight.dtype)
+    if seq2seq:
+        ids = seq2seq_generation_config(model.config, model_type=fam, token_ids=token_ids)
+    else:
+        ids = {k: v for k, v in (token_ids or {}).items() if v is not None}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     atomic_write(directory / WEIGHTS_NAME,
                  lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     text = json.dumps(hf, indent=2, sort_keys=True)
     atomic_write(directory / CONFIG_NAME, lambda tmp: Path(tmp).write_text(text))
-    ids = {k: v for k, v in (token_ids or {}).items() if v is not None}
     if ids:
         gen = json.dumps(ids, indent=2, sort_keys=True)
         atomic_write(directory / GENERATION_CONFIG_NAME, lambda tmp: Path(tmp).write_text(gen))
