@@ -16,6 +16,10 @@ templates rendered as transformers renders them (``render_chat``, ``chat_prompt_
 stop tokens of a model directory (``stop_token_ids``, ``read_generation_config``) and
 ``chat`` (a conversation in, the answer out; the name ``qkv.generation.chat`` is that
 function: import the module's other names with ``from qkv.generation.chat import ...``).
+``processors``: HF's logits processors (no_repeat_ngram_size, bad_words_ids, min_length,
+forced bos/eos, renormalize_logits) that ``generate`` applies. ``settings``: a checkpoint's
+generation_config.json as ``generate``'s arguments (``read_generation_settings``,
+``GenerationSettings``).
 """
 
 from .api import generate
@@ -31,10 +35,11 @@ from .chat import (
 )
 from .engine import explain
 from .search import filter_logits
+from .settings import GenerationSettings, read_generation_settings
 from .steppers import reorder_cache
 from .text import complete, complete_ids, translate, translate_ids
 
-__all__ = ["ChatTemplateError", "chat", "chat_prompt_ids", "complete", "complete_ids", "explain",
-           "filter_logits", "generate", "read_chat_template", "read_generation_config",
-           "read_special_tokens", "render_chat", "reorder_cache", "stop_token_ids", "translate",
-           "translate_ids"]
+__all__ = ["ChatTemplateError", "GenerationSettings", "chat", "chat_prompt_ids", "complete",
+           "complete_ids", "explain", "filter_logits", "generate", "read_chat_template",
+           "read_generation_config", "read_generation_settings", "read_special_tokens",
+           "render_chat", "reorder_cache", "stop_token_ids", "translate", "translate_ids"]

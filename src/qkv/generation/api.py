@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from ..models.transformer import Transformer
 from .engine import decoder_stepper
+from .processors import LogitsProcessors, make_processors
 from .prompt_lookup import DEFAULT_NGRAM, NgramIndex, prompt_lookup_greedy
 from .search import beam_search, greedy_or_sample
 from .speculative import speculative_generate
@@ -134,11 +135,18 @@ def _gpt_keep(mask: Tensor | None, ids: Tensor) -> Tensor | None:
 
 def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
              attention_mask: Tensor | None = None, num_beams: int = 1,
-             length_penalty: float = 1.0, do_sample: bool = False, temperature: float = 1.0,
+             length_penalty: float = 1.0, early_stopping: bool | str = False,
+             do_sample: bool = False, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | Sequence[int] | None = None,
              pad_token_id: int | None = None,
              decoder_start_token_id: int | None = None,
+             no_repeat_ngram_size: int | None = None, min_length: int | None = None,
+             min_new_tokens: int | None = None,
+             bad_words_ids: Sequence[Sequence[int]] | None = None,
+             forced_bos_token_id: int | None = None,
+             forced_eos_token_id: int | Sequence[int] | None = None,
+             renormalize_logits: bool = False,
              generator: torch.Generator | None = None, use_cache: bool = True,
              prompt_lookup_num_tokens: int | None = None,
              max_matching_ngram_size: int | None = None,
@@ -160,6 +168,12 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
         num_beams: K; 1 is greedy (or sampling), K > 1 beam search.
         length_penalty: beam search ranks finished hypotheses by ``sum of log-probs /
             length ** length_penalty`` (length = new tokens, eos included), as HF.
+        early_stopping: beam search's stopping rule, HF's three: False (default) stops a
+            batch item once its best running beam, scored at the current length, cannot beat
+            its worst of K finished hypotheses; "never" scores it at ``max_new_tokens``
+            instead when length_penalty > 0; True also stops an item as soon as it has K
+            finished hypotheses (``qkv.generation.search.beam_search``). Unused by greedy
+            decoding and sampling (as length_penalty).
         do_sample: sample from the (filtered) softmax instead of taking the argmax.
         temperature, top_k, top_p: sampling filters, applied in this order (HF's): logits /
             temperature, keep the ``top_k`` most likely tokens, keep the smallest set whose
@@ -172,6 +186,24 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
             default ``config.pad_id``.
         decoder_start_token_id: Transformer only, the first decoder token (default
             ``config.bos_id``).
+        no_repeat_ngram_size, min_length, min_new_tokens, bad_words_ids,
+        forced_bos_token_id, forced_eos_token_id, renormalize_logits: HF's logits processors
+            of the same names, applied with HF's rules and in HF's order to greedy decoding,
+            sampling (before temperature, top_k, top_p; renormalize_logits after them) and
+            beam search (to each step's log-softmax, before the beams' scores are added):
+            ``qkv.generation.processors``. They see a row's tokens so far as HF's
+            ``input_ids``: a GPT's prompt as given (left padding included) then its new
+            tokens; a Transformer's start token then its new tokens. In brief:
+            ``no_repeat_ngram_size`` n >= 1: no n-gram occurs twice in those tokens (0 or
+            None: off); ``min_length``: no stop token while those tokens number fewer than it
+            (HF's count: a GPT's prompt width, a Transformer's start token included);
+            ``min_new_tokens``: none before that many new tokens (replaces ``min_length``, as
+            HF); both do nothing without a stop token; ``bad_words_ids``: a list of token-id
+            sequences never generated (a one-token one that is a stop token is dropped, as
+            HF); ``forced_bos_token_id``: the first token after a one-token prefix (a
+            Transformer's first new token); ``forced_eos_token_id`` (an id or several): the
+            token of the last step (the ``max_new_tokens``-th); ``renormalize_logits``:
+            log-softmax after all of them.
         generator: a ``torch.Generator`` for reproducible sampling.
         use_cache: False recomputes the whole sequence each step (slow; the tests' oracle).
         prompt_lookup_num_tokens: k >= 1 turns on prompt-lookup decoding (greedy only): each
@@ -209,9 +241,10 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
         generation stops once every row has finished; beam search returns each input's best
         hypothesis.
 
-    Beam search follows HuggingFace's ``generate(num_beams=K)`` with its default
-    ``early_stopping=False`` heuristic (see ``qkv.generation.search.beam_search``); with the
-    same weights it returns HF's tokens. Decoding runs under ``torch.inference_mode()``; a
+    Beam search follows HuggingFace's ``generate(num_beams=K)`` with the same
+    ``early_stopping`` (see ``qkv.generation.search.beam_search``); with the same weights and
+    arguments it returns HF's tokens, as greedy decoding does with the processors. Decoding
+    runs under ``torch.inference_mode()``; a
 decoder-only model decodes through the decode engine (``qkv.generation.engine``): its
 ``DecodePlan`` on the first backend that supports it (``qkv.generation.explain(model,
 batch=...)`` says which, and why the others refuse), else through its own modules. A
@@ -224,7 +257,10 @@ any way (even in place through ``.data`` or numpy) is decoded as edited by the n
         for a bad value (num_beams < 1, top_p outside (0, 1], temperature <= 0, sampling
         options without do_sample, do_sample with beams, a token id outside the vocabulary,
         right-padded GPT prompts, more positions than the model's ``max_len``,
-        ``prompt_lookup_num_tokens`` < 1 or with beams or sampling); TypeError for prompt
+        ``prompt_lookup_num_tokens`` < 1 or with beams or sampling, an ``early_stopping``
+        other than True, False or "never", a bad processor argument, a processor (any of
+        them, renormalize_logits included) with prompt lookup or ``draft_model``, whose
+        verification compares the model's unprocessed argmax); TypeError for prompt
         lookup on a model whose caches cannot roll back (sliding-window, linear attention);
         ValueError for ``draft_model`` with beams, prompt lookup, an encoder-decoder,
         ``use_cache=False`` or another vocabulary size, or ``num_draft_tokens`` not an int >= 1;
@@ -233,6 +269,14 @@ any way (even in place through ``.data`` or numpy) is decoded as edited by the n
     """
     _check_args(num_beams, length_penalty, do_sample, temperature, top_k, top_p, generator,
                 use_cache, max_new_tokens)
+    if not (isinstance(early_stopping, bool) or early_stopping == "never"):
+        raise ValueError(f"generate: early_stopping must be True, False or \"never\", got "
+                         f"{early_stopping!r}")
+    procs = dict(no_repeat_ngram_size=no_repeat_ngram_size, min_length=min_length,
+                 min_new_tokens=min_new_tokens, bad_words_ids=bad_words_ids,
+                 forced_bos_token_id=forced_bos_token_id,
+                 forced_eos_token_id=forced_eos_token_id,
+                 renormalize_logits=renormalize_logits)
     lookup = _check_lookup(prompt_lookup_num_tokens, max_matching_ngram_size, num_beams,
                            do_sample)
     draft = _check_draft(draft_model, num_draft_tokens, model, num_beams, lookup, use_cache)
@@ -243,7 +287,8 @@ any way (even in place through ``.data`` or numpy) is decoded as edited by the n
         out = _generate_seq2seq(model, ids, attention_mask, max_new_tokens, num_beams,
                                 length_penalty, do_sample, temperature, top_k, top_p,
                                 eos_token_id, pad_token_id, decoder_start_token_id, generator,
-                                use_cache, lookup, streamer)
+                                use_cache, lookup, streamer, early_stopping=early_stopping,
+                                procs=procs)
     elif isinstance(model, nn.Module) and callable(getattr(model, "new_cache", None)):
         if decoder_start_token_id is not None:
             raise ValueError("generate: decoder_start_token_id is for encoder-decoder models; "
@@ -251,7 +296,7 @@ any way (even in place through ``.data`` or numpy) is decoded as edited by the n
         out = _generate_decoder(model, ids, attention_mask, max_new_tokens, num_beams,
                                 length_penalty, do_sample, temperature, top_k, top_p,
                                 eos_token_id, pad_token_id, generator, use_cache, lookup,
-                                draft, streamer)
+                                draft, streamer, early_stopping=early_stopping, procs=procs)
     else:
         raise TypeError(f"generate: model must be a qkv.models.GPT (or a decoder with "
                         f"forward(ids, attention_mask=, cache=) and new_cache(batch, "
@@ -385,25 +430,49 @@ def _lookup(stepper, segments: list[list[list[int]]], lookup: tuple[int, int],
 
 def _search(stepper, rows: int, num_beams: int, max_new_tokens: int, length_penalty: float,
             do_sample: bool, temperature: float, top_k, top_p, eos, pad: int, generator,
-            device: torch.device, streamer=None) -> Tensor:
+            device: torch.device, streamer=None, *, early_stopping: bool | str = False,
+            processors: LogitsProcessors | None = None, prefix: Tensor | None = None
+            ) -> Tensor:
     eos = None if eos is None else torch.tensor(eos, dtype=torch.long, device=device)
     if num_beams > 1:
         return beam_search(stepper, rows, num_beams, max_new_tokens,
-                           length_penalty=length_penalty, eos=eos, pad=pad, device=device)
+                           length_penalty=length_penalty, eos=eos, pad=pad, device=device,
+                           early_stopping=early_stopping, processors=processors,
+                           prefix=prefix)
     return greedy_or_sample(stepper, rows, max_new_tokens, do_sample=do_sample,
                             temperature=temperature, top_k=top_k, top_p=top_p, eos=eos,
-                            pad=pad, generator=generator, device=device, streamer=streamer)
+                            pad=pad, generator=generator, device=device, streamer=streamer,
+                            processors=processors, prefix=prefix)
+
+
+def _processors(procs: dict, vocab: int | None, prefix_length: int, max_new_tokens: int,
+                eos: tuple[int, ...] | None, device: torch.device, lookup, draft
+                ) -> LogitsProcessors | None:
+    """The call's logits processors (None when none is on); ValueError where prompt lookup
+    or speculative decoding would have to verify drafts against processed scores."""
+    processors = make_processors(vocab=vocab, prefix_length=prefix_length,
+                                 max_new_tokens=max_new_tokens, eos=eos, device=device, **procs)
+    if processors is not None and (lookup is not None or draft is not None):
+        on = ", ".join(f"{k}={v!r}" for k, v in procs.items() if v not in (None, False, 0))
+        what = "prompt_lookup_num_tokens" if lookup is not None else "draft_model"
+        raise ValueError(f"generate: {what} verifies drafts against the model's unprocessed "
+                         f"scores and cannot be combined with logits processors ({on}); "
+                         f"decode without {what}")
+    return processors
 
 
 def _generate_decoder(model, ids, attention_mask, max_new_tokens, num_beams, length_penalty,
                       do_sample, temperature, top_k, top_p, eos, pad, generator,
-                      use_cache, lookup, draft=None, streamer=None) -> Tensor:
+                      use_cache, lookup, draft=None, streamer=None, *,
+                      early_stopping: bool | str = False, procs: dict | None = None) -> Tensor:
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
     if isinstance(vocab, int):
         for name, val in (*(("eos_token_id", e) for e in eos or ()), ("pad_token_id", pad)):
             _token(name, val, vocab)
     pad = (eos[0] if eos is not None else 0) if pad is None else pad
+    processors = _processors(procs or {}, vocab if isinstance(vocab, int) else None,
+                             ids.shape[1], max_new_tokens, eos, ids.device, lookup, draft)
     with torch.inference_mode():
         keep = _gpt_keep(attention_mask, ids)
         batch, n = ids.shape
@@ -437,13 +506,15 @@ def _generate_decoder(model, ids, attention_mask, max_new_tokens, num_beams, len
                           ids.device, streamer)
             return torch.cat((ids, new), dim=1)
         new = _search(stepper, batch, num_beams, max_new_tokens, length_penalty, do_sample,
-                      temperature, top_k, top_p, eos, pad, generator, ids.device, streamer)
+                      temperature, top_k, top_p, eos, pad, generator, ids.device, streamer,
+                      early_stopping=early_stopping, processors=processors, prefix=rows_ids)
         return torch.cat((ids, new), dim=1)
 
 
 def _generate_seq2seq(model, src, attention_mask, max_new_tokens, num_beams, length_penalty,
                       do_sample, temperature, top_k, top_p, eos, pad, start, generator,
-                      use_cache, lookup, streamer=None) -> Tensor:
+                      use_cache, lookup, streamer=None, *, early_stopping: bool | str = False,
+                      procs: dict | None = None) -> Tensor:
     c = model.config
     eos = (c.eos_id,) if eos is None else eos
     pad = c.pad_id if pad is None else pad
@@ -454,6 +525,8 @@ def _generate_seq2seq(model, src, attention_mask, max_new_tokens, num_beams, len
     if c.absolute_positions and max_new_tokens > c.max_len:
         raise ValueError(f"generate: max_new_tokens={max_new_tokens} needs decoder positions "
                          f"beyond the model's max_len={c.max_len}")
+    processors = _processors(procs or {}, c.tgt_vocab_size, 1, max_new_tokens, eos,
+                             src.device, lookup, None)
     with torch.inference_mode():
         src_mask = None if attention_mask is None else _check_mask(attention_mask, src)
         stepper = Seq2SeqStepper(model, src, src_mask, start, num_beams, max_new_tokens,
@@ -464,8 +537,11 @@ def _generate_seq2seq(model, src, attention_mask, max_new_tokens, num_beams, len
             new = _lookup(stepper, segments, lookup, max_new_tokens, eos, pad, src.device,
                           streamer)
         else:
+            prefix = torch.full((src.shape[0] * num_beams, 1), start, dtype=torch.long,
+                                device=src.device)  # (R, 1) the decoder start token
             new = _search(stepper, src.shape[0], num_beams, max_new_tokens, length_penalty,
                           do_sample, temperature, top_k, top_p, eos, pad, generator,
-                          src.device, streamer)
+                          src.device, streamer, early_stopping=early_stopping,
+                          processors=processors, prefix=prefix)
         first = torch.full((src.shape[0], 1), start, dtype=torch.long, device=src.device)
         return torch.cat((first, new), dim=1)

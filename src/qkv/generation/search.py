@@ -16,6 +16,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from .processors import LogitsProcessors
+
 __all__ = ["ARGMAX_BLOCK", "ARGMAX_MIN_ROWS", "argmax_rows", "beam_search", "filter_logits",
            "greedy_or_sample"]
 
@@ -100,21 +102,41 @@ def greedy_or_sample(stepper: Stepper, rows: int, max_new_tokens: int, *, do_sam
                      temperature: float, top_k: int | None, top_p: float | None,
                      eos: Tensor | None, pad: int, generator: torch.Generator | None,
                      device: torch.device,
-                     streamer: Callable[[Tensor], object] | None = None) -> Tensor:
+                     streamer: Callable[[Tensor], object] | None = None,
+                     processors: LogitsProcessors | None = None,
+                     prefix: Tensor | None = None) -> Tensor:
     """Greedy (argmax) or sampled decoding; returns the new tokens (R, T), T <=
     ``max_new_tokens`` (fewer when every row reached ``eos``). ``streamer``, if given, is
     called after each step with that step's tokens (R,) int64, the output column just
     written (``pad`` in rows that have ended), so that its T calls stacked along dim 1 are
-    the returned tensor."""
-    out = torch.full((rows, max_new_tokens), pad, dtype=torch.long, device=device)
+    the returned tensor.
+
+    ``processors`` (``qkv.generation.processors``), if given, process each step's logits
+    before the sampling filters and the argmax, as HF's ``_sample``: ``apply`` on the fp32
+    logits, then (sampling) ``filter_logits``, then ``normalize``. They see the tokens so far
+    (R, P + t): ``prefix`` (R, P) int64 (the prompt, or the decoder start token) then the new
+    ones (rows that ended hold ``pad``, as in HF)."""
+    width = 0 if prefix is None else prefix.shape[1]  # P
+    seq = torch.full((rows, width + max_new_tokens), pad, dtype=torch.long, device=device)
+    if prefix is not None:
+        seq[:, :width] = prefix
+    out = seq[:, width:]  # (R, T) a view: the new tokens
+    history = processors is not None and processors.needs_history
     finished = torch.zeros(rows, dtype=torch.bool, device=device) if eos is not None else None
     logits = stepper.prefill()
     for t in range(max_new_tokens):
+        if processors is not None:
+            logits = processors.apply(seq[:, :width + t] if history else None, width + t,
+                                      logits)
         if do_sample:
-            probs = filter_logits(logits, temperature=temperature, top_k=top_k,
-                                  top_p=top_p).softmax(dim=-1)
-            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (R,)
+            scores = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+            if processors is not None:
+                scores = processors.normalize(scores)
+            tokens = torch.multinomial(scores.softmax(dim=-1), 1,
+                                       generator=generator).squeeze(1)  # (R,)
         else:
+            if processors is not None:
+                logits = processors.normalize(logits)
             tokens = argmax_rows(logits)  # (R,)
         if finished is not None:
             tokens = tokens.masked_fill(finished, pad)
@@ -137,22 +159,35 @@ def _gather(t: Tensor, idx: Tensor) -> Tensor:
 
 def beam_search(stepper: Stepper, batch: int, beams: int, max_new_tokens: int, *,
                 length_penalty: float, eos: Tensor | None, pad: int,
-                device: torch.device) -> Tensor:
-    """Beam search with HuggingFace's rules (``transformers`` 4.5x+/5.x ``_beam_search`` with
-    its default ``early_stopping=False``): each step keeps the top M = max(2, 1 + E)·K
-    continuations of the K·V candidates by summed log-probability (E: the number of stop
-    tokens in ``eos``, so that K of them can continue even when every stop token is among the
-    best of every beam); those among the first K that end in ``eos``
-    (or reach ``max_new_tokens``) become finished hypotheses scored ``sum / T_h **
-    length_penalty`` (T_h: the hypothesis' new tokens, eos included); the best K unfinished
-    continue. A batch item stops once its best running score divided by the current length
-    ** length_penalty cannot beat its worst kept hypothesis (K hypotheses kept).
+                device: torch.device, early_stopping: bool | str = False,
+                processors: LogitsProcessors | None = None,
+                prefix: Tensor | None = None) -> Tensor:
+    """Beam search with HuggingFace's rules (``transformers`` 5.x ``_beam_search``): each
+    step keeps the top M = max(2, 1 + E)·K continuations of the K·V candidates by summed
+    log-probability (E: the number of stop tokens in ``eos``, so that K of them can continue
+    even when every stop token is among the best of every beam); those among the first K that
+    end in ``eos`` (or reach ``max_new_tokens``) become finished hypotheses scored ``sum /
+    T_h ** length_penalty`` (T_h: the hypothesis' new tokens, eos included); the best K
+    unfinished continue. K finished hypotheses are kept per batch item.
+
+    ``early_stopping`` (HF's three settings): False, a batch item stops once its best running
+    score divided by the current length ** length_penalty cannot beat its worst kept
+    hypothesis; "never", the same test with the longest possible length (``max_new_tokens``)
+    when length_penalty > 0 (with length_penalty <= 0 as False); True, as False, and also an
+    item takes no more hypotheses once it has K, and the search ends when every item has K.
+
+    ``processors`` (``qkv.generation.processors``), if given, process each step's
+    log-softmax (R, V) before the running scores are added, as HF: ``apply`` then
+    ``normalize``; they see each beam's tokens so far (R, P + t): ``prefix`` (R, P) int64
+    (the prompt, or the decoder start token, per row) then the beam's new tokens.
 
     Returns the best hypothesis of each batch item, (B, T): T = the longest of them; shorter
     ones are filled with ``pad``.
     """
     k = beams
     rows = batch * k
+    width = 0 if prefix is None else prefix.shape[1]  # P
+    history = processors is not None and processors.needs_history
     running = torch.full((batch, k, max_new_tokens), pad, dtype=torch.long, device=device)
     run_scores = torch.zeros(batch, k, dtype=torch.float32, device=device)
     run_scores[:, 1:] = _NEG  # only beam 0 expands at first: the K rows start identical
@@ -165,11 +200,17 @@ def beam_search(stepper: Stepper, batch: int, beams: int, max_new_tokens: int, *
     keep_m = max(2, 1 + n_stop) * k  # M: HF's beams_to_keep
     top_k_mask = torch.arange(keep_m, device=device) < k  # (M,)
     offsets = (torch.arange(batch, device=device) * k)[:, None]  # (B, 1)
+    # "never" with a positive penalty: the best score a running beam may reach, at full length
+    never = early_stopping == "never" and length_penalty > 0.0
     logits = stepper.prefill()
     for t in range(max_new_tokens):
         vocab = logits.shape[-1]
-        logp = torch.log_softmax(logits.float(), dim=-1).view(batch, k, vocab)
-        logp = (logp + run_scores[:, :, None]).view(batch, k * vocab)
+        logp = torch.log_softmax(logits.float(), dim=-1)  # (R, V)
+        if processors is not None:
+            so_far = (torch.cat((prefix, running.view(rows, max_new_tokens)[:, :t]), dim=1)
+                      if history else None)  # (R, P + t)
+            logp = processors.normalize(processors.apply(so_far, width + t, logp))
+        logp = (logp.view(batch, k, vocab) + run_scores[:, :, None]).view(batch, k * vocab)
         top_scores, top_idx = logp.topk(keep_m, dim=-1)  # (B, M)
         src_beam = top_idx // vocab
         tokens = top_idx % vocab
@@ -187,9 +228,12 @@ def beam_search(stepper: Stepper, batch: int, beams: int, max_new_tokens: int, *
         running = _gather(cand, keep)
         run_scores = _gather(alive_scores, keep)
         run_src = _gather(src_beam, keep)
-        # hypotheses that ended among the first K candidates join the finished ones
+        # hypotheses that ended among the first K candidates join the finished ones (not
+        # where early_stopping=True and the item already has K)
         just = hits & top_k_mask
         scores = top_scores / float((t + 1) ** length_penalty)
+        if early_stopping is True:
+            scores = scores + done_flags.all(dim=1, keepdim=True).float() * _NEG
         scores = scores + (~open_items).float() * _NEG + (~just).float() * _NEG
         m_scores = torch.cat((done_scores, scores), dim=1)
         best = m_scores.topk(k, dim=-1).indices
@@ -198,10 +242,12 @@ def beam_search(stepper: Stepper, batch: int, beams: int, max_new_tokens: int, *
         done_flags = _gather(torch.cat((done_flags, just), dim=1), best)
         done_lens = _gather(torch.cat((done_lens, torch.full_like(tokens, t + 1)), dim=1), best)
         # can a running beam still beat the worst kept hypothesis?
-        best_possible = run_scores[:, :1] / float((t + 1) ** length_penalty)
+        length = max_new_tokens if never else t + 1
+        best_possible = run_scores[:, :1] / float(length ** length_penalty)
         worst = torch.where(done_flags, done_scores.min(dim=1, keepdim=True).values, _NEG)
         open_items = open_items & (best_possible > worst).any(dim=-1, keepdim=True)
-        if not bool(open_items.any()) or bool(hits.all()):
+        if (not bool(open_items.any()) or bool(hits.all())
+                or (early_stopping is True and bool(done_flags.all()))):
             break
         stepper.reorder((run_src + offsets).reshape(rows))
         logits = stepper.step(running[:, :, t].reshape(rows))
