@@ -57,6 +57,7 @@ def _run_merge(args: argparse.Namespace) -> int:
     from ..peft import adapter_file_kind, merge, unload
     from ..train.checkpoint import find_checkpoint, load_run, read_run_info
     from ..train.finetune import is_adapter_checkpoint
+    from ..train.hf_seq2seq import save_run_tokenizer
     from . import UserError
 
     ckpt = find_checkpoint(args.run)
@@ -71,7 +72,7 @@ def _run_merge(args: argparse.Namespace) -> int:
     merge(model)
     unload(model)
     model.save_pretrained(out)
-    tokenizer.save(out / "tokenizer.json")
+    save_run_tokenizer(tokenizer, out)  # a Seq2SeqTokenizer writes its own files
     info = read_run_info(args.run)
     if info:  # how `qkv generate` frames prompts (a pair task or text), as the run trained
         info = {**info, "init_from": None, "peft": None}

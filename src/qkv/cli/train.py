@@ -29,6 +29,7 @@ EXAMPLES = """examples:
   qkv train --task dates-long --init-from runs/dates           # full fine-tuning
   qkv train --init-from models/qwen2-0.5b-instruct --chat --data chats.jsonl --lora r=8
   qkv train --init-from models/llama-instruct --chat --data qa.tsv --lr 2e-5 --steps 200
+  qkv train --init-from models/opus-mt-en-de --data pairs.tsv --lora r=8,targets=q+v
   torchrun --nproc-per-node 2 -m qkv.cli train --task dates --batch-size 128
   torchrun --nproc-per-node 4 -m qkv.cli train --data pairs.tsv --device cuda   # nccl
   torchrun --nproc-per-node 8 -m qkv.cli train --fsdp --model gpt --preset gpt2-medium \
@@ -51,8 +52,13 @@ written, settings, data, model sizes and memory are checked: what is refused lea
 
 Fine-tuning: --init-from RUN_OR_HF_DIR starts from a trained base (a qkv run or checkpoint,
 or a HuggingFace directory qkv loads: GPT-2, BERT, Llama, Mistral, Qwen2/3, Gemma 1/2,
-Phi-3, with its tokenizer.json); the base fixes the model, tokenizer and max_len (--preset,
---set, --tokenizer, --bpe-vocab-size are refused; --model defaults to the base's kind).
+Phi-3, with its tokenizer.json; T5 / Flan-T5, BART, Marian with their tokenizer files —
+tokenizer.json, spiece.model, or source.spm + target.spm + vocab.json); the base fixes the
+model, tokenizer and max_len (--preset, --set, --tokenizer, --bpe-vocab-size are refused;
+--model defaults to the base's kind). An encoder-decoder trains on --data pairs as
+transformers does: sources and targets framed by its own tokenizer, the loss on the target
+tokens (eos included), the decoder started at its decoder_start_token_id; its checkpoints
+keep that tokenizer's files, which `qkv translate RUN` and load_run read.
 --chat (gpt, with --init-from a base that has a chat template): --data holds pairs to
 render with the base's template — a TSV of input<TAB>output lines (one user message each)
 or a .jsonl of {"messages": [...]} conversations (the last message, the assistant's, is the
@@ -113,7 +119,7 @@ _SETTINGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--seed", "seed", int, "seed of initialisation, dropout and data order (default 0)"),
     ("--init-from", "init_from", str, "fine-tune a trained base: a qkv run/checkpoint or a "
                                       "HuggingFace directory (GPT-2, BERT, Llama, Mistral, "
-                                      "Qwen2/3, Gemma 1/2, Phi-3)"),
+                                      "Qwen2/3, Gemma 1/2, Phi-3, T5, BART, Marian)"),
 )
 
 #: --lora / --adapters keys -> (parser, what the value must be)

@@ -13,8 +13,8 @@ parameter, e.g. ``layers.0.attn.in_proj.A_q`` (r, In) and ``layers.0.attn.in_pro
 (Rows, r).
 
 HF PEFT's LoRA files (``peft_type`` "LORA", saved by ``save_pretrained``) for the GPT-2,
-BERT and Llama-style checkpoints ``qkv.models.from_pretrained`` loads map onto qkv's
-projections:
+BERT, Llama-style, T5 / Flan-T5, BART and Marian checkpoints ``qkv.models.from_pretrained``
+loads map onto qkv's projections (the tables: ``qkv.peft.peft_names``):
 
 - GPT-2 ``h.i.attn.c_attn`` (Conv1D) -> ``layers.i.attn.in_proj``, role ``"qkv"``;
 - GPT-2 ``h.i.attn.c_proj`` -> ``layers.i.attn.out_proj``, ``"out"``;
@@ -32,7 +32,13 @@ projections:
   ``ffn.fc_out`` (``"ffn_out"``, alias ``"down"``);
 - Phi-3 ``self_attn.qkv_proj`` -> ``in_proj``, ``"qkv"``; ``mlp.gate_up_proj`` -> ``fc_in``,
   ``"ffn_in"`` (one update over the fused rows, as PEFT computes it); ``o_proj`` and
-  ``down_proj`` as above.
+  ``down_proj`` as above;
+- T5 ``SelfAttention`` / ``EncDecAttention`` ``q`` / ``k`` / ``v`` / ``o`` -> the ``attn`` /
+  ``self_attn`` / ``cross_attn`` ``in_proj`` rows and ``out_proj`` of ``encoder_layers.i`` /
+  ``decoder_layers.i``; ``DenseReluDense.wi`` -> ``ffn.fc_in`` (``"ffn_in"``), ``wi_0`` /
+  ``wi_1`` (gated, Flan-T5) -> its ``"gate"`` / ``"up"`` rows; ``wo`` -> ``ffn.fc_out``;
+- BART / Marian ``self_attn`` / ``encoder_attn`` ``q_proj`` / ``k_proj`` / ``v_proj`` /
+  ``out_proj`` -> the same sites, ``fc1`` / ``fc2`` -> ``ffn.fc_in`` / ``ffn.fc_out``.
 
 PEFT's A (r, In) and B (Out, r) are the same for a Conv1D (``fan_in_fan_out`` only changes
 how PEFT merges), so they are copied as they are; scale lora_alpha / r (/ √r with
@@ -66,36 +72,13 @@ from .checks import check_finite, check_header, read_header
 from .config import LoraConfig
 from .kind_files import CONFIG_NAME, WEIGHTS_NAME
 from .lora import attach, lora_sites, lora_states, plain_path, plan_updates
+from .peft_names import families_for
 
 __all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "adapter_file_kind", "adapter_shapes", "load_adapter",
            "save_adapter"]
 
 KIND = "lora"
 
-_GPT2_KEY = re.compile(r"(?:transformer\.)?h\.(\d+)\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|"
-                       r"mlp\.c_proj)\.lora_([AB])\.weight")
-_GPT2_SITES = {"attn.c_attn": ("attn.in_proj", "qkv"), "attn.c_proj": ("attn.out_proj", "out"),
-               "mlp.c_fc": ("ffn.fc_in", "ffn_in"), "mlp.c_proj": ("ffn.fc_out", "ffn_out")}
-_BERT_KEY = re.compile(r"(?:bert\.)?encoder\.layer\.(\d+)\.(attention\.self\.query|"
-                       r"attention\.self\.key|attention\.self\.value|attention\.output\.dense|"
-                       r"intermediate\.dense|output\.dense)\.lora_([AB])\.weight")
-_BERT_SITES = {"attention.self.query": ("attn.in_proj", "q"),
-               "attention.self.key": ("attn.in_proj", "k"),
-               "attention.self.value": ("attn.in_proj", "v"),
-               "attention.output.dense": ("attn.out_proj", "out"),
-               "intermediate.dense": ("ffn.fc_in", "ffn_in"),
-               "output.dense": ("ffn.fc_out", "ffn_out")}
-_DECODER_KEY = re.compile(r"(?:model\.)?layers\.(\d+)\.(self_attn\.(?:q|k|v|o|qkv)_proj|"
-                          r"mlp\.(?:gate|up|down|gate_up)_proj)\.lora_([AB])\.weight")
-_DECODER_SITES = {"self_attn.q_proj": ("attn.in_proj", "q"),
-                  "self_attn.k_proj": ("attn.in_proj", "k"),
-                  "self_attn.v_proj": ("attn.in_proj", "v"),
-                  "self_attn.qkv_proj": ("attn.in_proj", "qkv"),  # Phi-3
-                  "self_attn.o_proj": ("attn.out_proj", "out"),
-                  "mlp.gate_proj": ("ffn.fc_in", "gate"),
-                  "mlp.up_proj": ("ffn.fc_in", "up"),
-                  "mlp.gate_up_proj": ("ffn.fc_in", "ffn_in"),  # Phi-3
-                  "mlp.down_proj": ("ffn.fc_out", "ffn_out")}
 _PEFT_PREFIX = "base_model.model."
 #: PEFT options that change what is computed (or the model's structure): refused when set
 _PEFT_REFUSED = ("use_dora", "lora_bias", "rank_pattern", "alpha_pattern", "modules_to_save",
@@ -200,10 +183,10 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, name: str | None 
                  ) -> str:
     """Add the adapter saved in directory ``path`` to ``model`` and make it the active (and
     only trainable) one: a LoRA adapter (qkv's ``save_adapter`` files, or HF PEFT's LoRA
-    files for a GPT-2 / BERT / Llama-style (Llama, Mistral, Qwen2/3, Gemma 1/2, Phi-3)
-    checkpoint loaded by ``qkv.models.from_pretrained``; see the module docstring), a
-    bottleneck adapter or a prefix (``save_adapter``'s files). Adapters of the other kinds
-    step aside (``qkv.peft.set_adapter``).
+    files for a GPT-2 / BERT / Llama-style (Llama, Mistral, Qwen2/3, Gemma 1/2, Phi-3) /
+    T5 / BART / Marian checkpoint loaded by ``qkv.models.from_pretrained``; see the module
+    docstring), a bottleneck adapter or a prefix (``save_adapter``'s files). Adapters of the
+    other kinds step aside (``qkv.peft.set_adapter``).
 
     Everything is checked before anything is attached: on any error the model is unchanged.
     The weights file's tensor names, shapes and dtypes are read from its safetensors header
@@ -304,8 +287,6 @@ def _from_peft(model: nn.Module, meta: dict, tensors: dict[str, Any], path: Path
                ) -> tuple[LoraConfig, dict[str, tuple[str, ...]], dict[str, str]]:
     """PEFT's config and tensor names (``tensors``: the file's header) -> (LoraConfig, roles
     per projection path, qkv tensor name -> the file's name)."""
-    from ..models import BERT, GPT
-
     where = path / CONFIG_NAME
     if meta.get("peft_type") != "LORA":
         raise CheckpointError(f"{where}: peft_type {meta.get('peft_type')!r}; only LORA "
@@ -322,28 +303,24 @@ def _from_peft(model: nn.Module, meta: dict, tensors: dict[str, Any], path: Path
     except KeyError as err:
         raise CheckpointError(f"{where}: missing PEFT field {err}") from err
     shorts = {key: key.removeprefix(_PEFT_PREFIX) for key in tensors}
-    if isinstance(model, GPT):  # GPT-2's or the Llama-style names: the file's keys decide
-        families = [(_GPT2_KEY, _GPT2_SITES, "GPT-2"),
-                    (_DECODER_KEY, _DECODER_SITES, "Llama-style")]
-        hits = [sum(bool(f[0].fullmatch(k)) for k in shorts.values()) for f in families]
-        pattern, table, family = (families[hits.index(max(hits))] if max(hits)
-                                  else (_GPT2_KEY, _GPT2_SITES, "GPT-2 or Llama-style"))
-    elif isinstance(model, BERT):
-        pattern, table, family = _BERT_KEY, _BERT_SITES, "BERT"
-    else:
-        raise CheckpointError(f"{path}: HF PEFT adapters load into qkv GPT (GPT-2, Llama-style) "
-                              f"and BERT models, not {type(model).__name__}")
+    families = families_for(model)
+    if families is None:
+        raise CheckpointError(f"{path}: HF PEFT adapters load into qkv GPT (GPT-2, "
+                              f"Llama-style), BERT and Transformer (T5, BART, Marian) models, "
+                              f"not {type(model).__name__}")
+    # the file's keys decide between a model's families (GPT-2 or Llama-style names, ...)
+    hits = [sum(f.match(k) is not None for k in shorts.values()) for f in families]
+    names = families[hits.index(max(hits))]
+    family = names.family if max(hits) else " or ".join(f.family for f in families)
     out: dict[str, str] = {}
     roles_by_site: dict[str, list[str]] = {}
     unknown = []
     for key, short in shorts.items():
-        m = pattern.fullmatch(short)
-        if m is None:
+        hit = names.match(short)
+        if hit is None:
             unknown.append(key)
             continue
-        layer, module, ab = m.groups()
-        site, role = table[module]
-        site = f"layers.{int(layer)}.{site}"
+        site, role, ab = hit
         out[f"{site}.{ab}_{role}"] = key
         roles = roles_by_site.setdefault(site, [])
         if role not in roles:
@@ -354,8 +331,8 @@ def _from_peft(model: nn.Module, meta: dict, tensors: dict[str, Any], path: Path
                               f"module qkv.peft does not adapt): {_few(sorted(unknown))}")
     if not out:
         raise CheckpointError(f"{path / WEIGHTS_NAME}: no LoRA tensors")
-    _check_target_modules(meta, {_LORA_SUFFIX.sub("", s) for s in shorts.values()}, table,
-                          path)
+    _check_target_modules(meta, {_LORA_SUFFIX.sub("", s) for s in shorts.values()},
+                          names.kinds, path)
     targets = tuple(dict.fromkeys(r for roles in roles_by_site.values() for r in roles))
     try:
         config = LoraConfig(targets=targets, **config_kw)
@@ -380,12 +357,12 @@ def _peft_targets(target_modules: Any, module: str) -> bool:
     return any(module == t or module.endswith(f".{t}") for t in target_modules)
 
 
-def _check_target_modules(meta: dict, modules: set[str], table: dict[str, Any], path: Path
+def _check_target_modules(meta: dict, modules: set[str], kinds: tuple[str, ...], path: Path
                           ) -> None:
     """The file's modules (``modules``: HF module paths) against ``target_modules``: each
     must be one PEFT would have adapted, and each module kind of the architecture
-    (``table``'s names) that a list names must have tensors in the file (unless
-    ``exclude_modules`` may have removed it)."""
+    (``kinds``: module names after the layer index) that a list names must have tensors in
+    the file (unless ``exclude_modules`` may have removed it)."""
     where = path / CONFIG_NAME
     targets = meta.get("target_modules")
     if targets is None:
@@ -405,7 +382,7 @@ def _check_target_modules(meta: dict, modules: set[str], table: dict[str, Any], 
     if isinstance(targets, str) or meta.get("exclude_modules"):
         return
     absent = [t for t in targets
-              if any(f".{kind}".endswith(f".{t}") for kind in table)
+              if any(f".{kind}".endswith(f".{t}") for kind in kinds)
               and not any(m == t or m.endswith(f".{t}") for m in modules)]
     if absent:
         raise CheckpointError(f"{path / WEIGHTS_NAME}: target_modules names {absent} but the "

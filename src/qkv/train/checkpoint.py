@@ -12,7 +12,11 @@ A run directory written by ``qkv train --out RUN``::
         adapter_config.json,             the adapter only (``qkv.peft.load_adapter``), and
         adapter_model.safetensors, base.json  the base it adapts: {path, sha256 of weights,
                                          config_sha256}
-        tokenizer.json                   the ``qkv.data`` tokenizer
+        tokenizer.json                   the ``qkv.data`` tokenizer (a HuggingFace base's
+                                         own files instead: tokenizer.json and
+                                         tokenizer_config.json, or an encoder-decoder's
+                                         spiece.model / Marian's source.spm + target.spm +
+                                         vocab.json: ``qkv.train.hf_seq2seq``)
         (kind's own JSON files)          e.g. clip: preprocessor_config.json (images)
         run.json                         a copy of the training configuration
         trainer_state.json               step, data position, optimizer hyper-parameters
@@ -42,6 +46,7 @@ from torch import nn
 
 from ..files import CheckpointError, atomic_write, read_json
 from ..models import from_pretrained, registry
+from .hf_seq2seq import save_run_tokenizer
 from .kinds import get_kind
 from .rundir import CHECKPOINT_DIR, OLD_DIR, TMP_DIR, find_checkpoint
 
@@ -123,7 +128,7 @@ def save_checkpoint(run_dir: str | os.PathLike, *, model: nn.Module, tokenizer: 
 
         save_adapter(model, tmp)
         _write_json(tmp / "base.json", base)
-    tokenizer.save(tmp / "tokenizer.json")
+    save_run_tokenizer(tokenizer, tmp)
     for name, content in (extra_files or {}).items():
         _write_json(tmp / name, content)
     _write_json(tmp / "run.json", run_info)
@@ -162,8 +167,9 @@ def load_run(path: str | os.PathLike) -> tuple[nn.Module, Any]:
         process group). For a run that trained an adapter (``TrainConfig.peft``): its base
         (base.json) with the adapter attached and active (the reader registered for
         adapter_config.json: ``qkv.train.finetune.read_adapter_run``; ``disable_adapters``
-        gives the base). The tokenizer is qkv's, or a HuggingFace base's with its special
-        ids and chat template (``qkv.train.hf_tokenizer.read_run_tokenizer``).
+        gives the base). The tokenizer is qkv's, a HuggingFace base's with its special
+        ids and chat template, or an HF encoder-decoder's ``Seq2SeqTokenizer`` for a run that
+        fine-tunes T5 / BART / Marian (``qkv.train.hf_tokenizer.read_run_tokenizer``).
 
     Raises:
         CheckpointError: no checkpoint, an unknown model type, or missing/mismatched files;

@@ -1,8 +1,9 @@
 """Fine-tuning from a trained base: ``TrainConfig(init_from=BASE, peft={...})``.
 
 ``init_from`` is a qkv run or checkpoint directory, or a HuggingFace directory that
-``qkv.models.from_pretrained`` loads into a model some trainer kind owns (GPT-2, BERT, and
-the Llama-style llama, mistral, qwen2, qwen3, gemma, gemma2, phi3 into ``GPT``). The base
+``qkv.models.from_pretrained`` loads into a model some trainer kind owns (GPT-2, BERT, the
+Llama-style llama, mistral, qwen2, qwen3, gemma, gemma2, phi3 into ``GPT``, and the
+encoder-decoders t5, bart, marian into ``Transformer``). The base
 fixes the architecture, the tokenizer and the context length (``max_len``); the run's data
 must be encodable by the base's tokenizer and fit that length — both checked before
 anything is written.
@@ -34,7 +35,10 @@ tokenizer with its special ids and chat template (``HFTokenizer``: its eos named
 tokenizer_config.json, generation_config.json or config.json; refused without one). A run
 from such a base saves that tokenizer in the HuggingFace layout (tokenizer.json,
 tokenizer_config.json, generation_config.json) and reads it back with
-``read_run_tokenizer``.
+``read_run_tokenizer``. An HF encoder-decoder's tokenizer (tokenizer.json, spiece.model, or
+Marian's source.spm + target.spm + vocab.json) is its ``qkv.data.seq2seq_tokenizer.
+Seq2SeqTokenizer``, kept in the run's checkpoints with its own files
+(``qkv.train.hf_seq2seq``).
 """
 
 from __future__ import annotations
@@ -224,7 +228,8 @@ def base_model_kind(init_from: str | os.PathLike) -> str:
 def load_base(init_from: str | os.PathLike, want: str) -> BaseModel:
     """Load the base of a fine-tuning run and check that it is a ``want`` model
     ("transformer", "gpt", "bert-mlm"), and one that kind can train (``check_base``); its
-    tokenizer by ``qkv.train.hf_tokenizer.base_tokenizer``.
+    tokenizer by ``qkv.train.hf_tokenizer.base_tokenizer``, checked against the model by the
+    kind (``check_base_tokenizer``: an HF encoder-decoder's embeddings, pad and eos ids).
 
     Raises:
         CheckpointError / ValueError: no base there, an adapter run, no model.safetensors or
@@ -240,7 +245,9 @@ def load_base(init_from: str | os.PathLike, want: str) -> BaseModel:
         raise ValueError(f"--model {want} does not match the base {init_from}, a "
                          f"{type(model).__name__} (--model {kind.name})")
     kind.check_base(model, init_from)
-    return BaseModel(model, base_tokenizer(ckpt), ckpt, sha, config_sha)
+    tokenizer = base_tokenizer(ckpt)
+    kind.check_base_tokenizer(model, tokenizer, init_from)
+    return BaseModel(model, tokenizer, ckpt, sha, config_sha)
 
 
 def check_base(ckpt: str | os.PathLike) -> dict[str, str]:

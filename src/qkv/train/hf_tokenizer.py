@@ -224,15 +224,21 @@ def _is_qkv_file(path: Path) -> bool:
 
 def read_run_tokenizer(directory: str | os.PathLike) -> Any:
     """The tokenizer of a checkpoint (or merged model) directory: qkv's own
-    (``qkv.data.read_tokenizer``) when tokenizer.json is qkv's, else ``HFTokenizer``
+    (``qkv.data.read_tokenizer``) when tokenizer.json is qkv's; an HF encoder-decoder's
+    ``Seq2SeqTokenizer`` when the directory's model (or an adapter checkpoint's base) is an
+    encoder-decoder (``qkv.train.hf_seq2seq.seq2seq_tokenizer_of``); else ``HFTokenizer``
     (saved by a run that started from a HuggingFace base).
 
     Raises:
         CheckpointError: tokenizer.json is missing; DataError / CheckpointError: a file
         that neither reader takes."""
     from ..data import read_tokenizer
+    from .hf_seq2seq import seq2seq_tokenizer_of
 
     directory = Path(directory)
+    seq2seq = seq2seq_tokenizer_of(directory)
+    if seq2seq is not None:
+        return seq2seq
     path = directory / "tokenizer.json"
     if not path.is_file():
         raise CheckpointError(f"{directory}: tokenizer.json is missing")
@@ -242,17 +248,27 @@ def read_run_tokenizer(directory: str | os.PathLike) -> Any:
 
 
 def base_tokenizer(directory: str | os.PathLike) -> Any:
-    """The tokenizer of a fine-tuning base: qkv's own; a HuggingFace tokenizers file whose
-    ids 0..3 are qkv's ``<pad> <bos> <eos> <unk>`` (a ``qkv.data.BPETokenizer``); else the
-    directory's tokenizer with its own special ids (``HFTokenizer``).
+    """The tokenizer of a fine-tuning base: qkv's own; an HF encoder-decoder's (T5, BART,
+    Marian, or a run fine-tuning one: its ``Seq2SeqTokenizer``, as ``read_run_tokenizer``); a
+    HuggingFace tokenizers file whose ids 0..3 are qkv's ``<pad> <bos> <eos> <unk>`` (a
+    ``qkv.data.BPETokenizer``); else the directory's tokenizer with its own special ids
+    (``HFTokenizer``).
 
     Raises:
-        CheckpointError: no tokenizer.json, or one none of them takes (naming why)."""
+        CheckpointError: no tokenizer.json (an encoder-decoder: none of its tokenizer
+        files), or one none of them takes (naming why)."""
     from tokenizers import Tokenizer
 
     from ..data import BPETokenizer
+    from .hf_seq2seq import seq2seq_tokenizer_of
 
     directory = Path(directory)
+    try:
+        seq2seq = seq2seq_tokenizer_of(directory)
+    except CheckpointError as exc:
+        raise CheckpointError(f"--init-from {directory}: {exc}") from None
+    if seq2seq is not None:
+        return seq2seq
     path = directory / "tokenizer.json"
     if not path.is_file():
         raise CheckpointError(f"--init-from {directory}: tokenizer.json is missing; "

@@ -47,6 +47,7 @@ from torch import nn
 
 from ..files import FSDP_MARK, CheckpointError, atomic_write, fsync_path, read_json
 from ..models import registry
+from .hf_seq2seq import save_run_tokenizer
 from .rundir import CHECKPOINT_DIR, OLD_DIR, TMP_DIR, find_checkpoint
 
 __all__ = ["SHARDED_DIR", "build_checkpoint_model", "export_sharded", "is_sharded_checkpoint",
@@ -281,7 +282,7 @@ def save_sharded_checkpoint(run_dir: str | os.PathLike, *, model: nn.Module,
             rng["rng.cuda"] = torch.cuda.get_rng_state(device)
         atomic_write(tmp / STATE_TENSORS, lambda p: save_file(rng, p))
         if tokenizer is not None:
-            tokenizer.save(tmp / "tokenizer.json")
+            save_run_tokenizer(tokenizer, tmp)
         if run_info is not None:
             _write_json(tmp / "run.json", run_info)
         for name, content in (extra_files or {}).items():
@@ -429,8 +430,9 @@ def export_sharded(run_or_ckpt_dir: str | os.PathLike, out_dir: str | os.PathLik
     """Write the plain model directory of a run's sharded checkpoint into ``out_dir``
     (existing, empty: ``qkv.outputs.new_output_dir``): config.json + model.safetensors
     (``Model.from_pretrained(out_dir)``), plus the checkpoint's other JSON files
-    (tokenizer.json, run.json, a model kind's own: ``qkv.train.load_run(out_dir)``). One
-    process, no process group.
+    (tokenizer.json, run.json, a model kind's own: ``qkv.train.load_run(out_dir)``) and an
+    encoder-decoder tokenizer's SentencePiece models (``*.spm``, ``*.model``: Marian's,
+    T5's). One process, no process group.
 
     Raises:
         CheckpointError: no checkpoint, or not a sharded one.
@@ -439,7 +441,8 @@ def export_sharded(run_or_ckpt_dir: str | os.PathLike, out_dir: str | os.PathLik
     model = load_sharded_model(ckpt)
     out = Path(out_dir)
     model.save_pretrained(out)  # type: ignore[operator]
-    for src in sorted(ckpt.glob("*.json")):  # tokenizer.json, run.json, a kind's own files
+    files = [*ckpt.glob("*.json"), *ckpt.glob("*.spm"), *ckpt.glob("*.model")]
+    for src in sorted(files):  # tokenizer.json, run.json, a kind's own files, spm models
         if src.name not in _OWN_FILES:
             atomic_write(out / src.name, lambda p, s=src: shutil.copyfile(s, p))
     return out

@@ -202,6 +202,11 @@ class ModelKind(abc.ABC):
         """Refuse a loaded base this kind cannot train (ValueError). Default: none."""
         return None
 
+    def check_base_tokenizer(self, model: nn.Module, tokenizer: Any, init_from: Any) -> None:
+        """Refuse a base's tokenizer that does not fit the loaded base (CheckpointError /
+        ValueError). Default: none."""
+        return None
+
     def __repr__(self) -> str:
         return f"<model kind {self.name!r}>"
 
