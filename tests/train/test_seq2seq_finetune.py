@@ -212,6 +212,17 @@ def test_a_lora_run_starts_at_hf_s_loss_learns_and_keeps_its_tokenizer(files, fa
     printed = capsys.readouterr().out.splitlines()
     assert printed == translate(model, run_tok, sources, max_new_tokens=6)
 
+    # qkv peft merge writes a model directory with the tokenizer's own files, read back
+    merged = tmp_path / "merged"
+    assert main(["peft", "merge", str(out), "--out", str(merged)]) == 0
+    assert all((merged / name).is_file() for name in kept[family])
+    again, again_tok = load_run(merged)
+    assert isinstance(again_tok, Seq2SeqTokenizer)
+    assert [again_tok.encode(s) for s, _ in train] == src
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids, lab.clamp(min=0), src_mask=mask.bool()), adapted,
+                                   atol=1e-5 * float(adapted.abs().max()), rtol=1e-5)
+
 
 def test_full_fine_tuning_keeps_the_tokenizer_and_resumes_into_it(files, tmp_path):
     out, tsv = tmp_path / "run", tmp_path / "pairs.tsv"
