@@ -362,19 +362,24 @@ def test_shell_commands_run_in_order(readme, tmp_path, monkeypatch, capsys):
     pairs = (tmp_path / "pairs.tsv").read_text(encoding="utf-8").splitlines()
     assert len(pairs) == 5000 and all(line.count("\t") == 1 for line in pairs)
     assert (tmp_path / "runs/mine/attention/attention.html").is_file()
+    assert (tmp_path / "models/opus-mt-en-zh/attention/attention.html").is_file()
+    assert json.loads((tmp_path / "opus-hf/config.json").read_text())["model_type"] == "marian"
 
 
 def test_shell_commands_are_found():
     """The blocks' commands as counted by hand: set-up (make ×2); your own data (activate,
     python -c over three lines, cat, 10 qkv/torchrun); the Llama checkpoint (python ×2, 5
-    qkv); FSDP (torchrun ×3, two of them over several lines, qkv export); the FSDP
-    benchmark's output (2 commands)."""
+    qkv); the Marian checkpoint (python -m, 7 qkv); FSDP (torchrun ×3, two of them over
+    several lines, qkv export); the FSDP benchmark's output (2 commands)."""
     found = [shell_commands(b) for b in BLOCKS["README.md"]]
     found = [c for c in found if c]
-    assert [len(c) for c in found] == [2, 13, 7, 4, 2], found
+    assert [len(c) for c in found] == [2, 13, 7, 8, 4, 2], found
+    assert _words(found[3][0])[:3] == ["python", "-m", "qkv.demos.tiny_marian"]
+    assert [_words(c)[1] for c in found[3][1:]] == [
+        "translate", "translate", "attention", "train", "translate", "peft", "export"]
     assert found[1][1].startswith("python -c") and found[1][1].count("\n") == 2
     assert _words(found[1][4])[-2:] == ["--out", "runs/bpe"]  # a continued line, joined
-    assert _words(found[3][0])[-2:] == ["--out", "runs/big"]
+    assert _words(found[4][0])[-2:] == ["--out", "runs/big"]
 
 
 # ------------------------------------------------------------------- output blocks

@@ -13,6 +13,14 @@ PATH`` (resized and centre-cropped to the model's size) or, for a shapes run, te
 attention rollout over the patches (Abnar & Zuidema 2020; ``qkv.viz.patches``) on the image,
 each layer's class-token attention on the image, and the layers × heads grid; ``--input``
 adds the text tower's attention on that text.
+
+A HuggingFace encoder-decoder directory (T5 / Flan-T5, BART, Marian opus-mt; config.json,
+weights and tokenizer files: ``qkv.cli.seq2seq_directory``) reads the input as its tokenizer
+frames it (Marian / T5 ``text </s>``); the decoder is fed its start token
+(``decoder_start_token_id``) + the model's own greedy translation (the processors of its
+generation_config.json applied, e.g. opus-mt's never-generate-pad), or + ``--target`` (as
+transformers feeds labels: the target's ids without their final ``</s>``). Its maps are
+drawn as a run's.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from torch import nn
 
 from .checks import int_in
 
+#: the longest generated target of a run (--max-new-tokens)
+DEFAULT_MAX_NEW_TOKENS = 64
 #: the files ``qkv attention`` writes into its output directory; a rerun may replace these
 #: (and only these) in an existing directory
 ATTENTION_FILES = ("attention_*.png", "attention.html")
@@ -38,6 +48,8 @@ EXAMPLES = """examples:
         only the last layer's head 0 in the PNG grids (the HTML keeps every layer and head)
   qkv attention runs/lm --input "the cat sat on the mat"
         a GPT or BERT run: its self-attention
+  qkv attention models/opus-mt-en-zh --input "How are you?"
+        an HF encoder-decoder directory: its cross-attention on its own translation
   qkv attention runs/clip --index 3
         a CLIP run on shapes: attention rollout over test image 3's patches
   qkv attention runs/clip --image photo.png --input "a photo of a red circle"
@@ -59,7 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "(PNG grids + an interactive HTML page)", description=__doc__,
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", metavar="RUN", help="a run directory of `qkv train` (or a "
-                   "checkpoint directory with config.json, model.safetensors, tokenizer.json)")
+                   "checkpoint directory with config.json, model.safetensors, tokenizer.json), "
+                   "or an HF encoder-decoder directory (T5, BART, Marian)")
     p.add_argument("--input", default=None, metavar="TEXT",
                    help="the input (source) text (required, except for a CLIP run: there, a "
                         "caption whose text-tower attention is drawn too)")
@@ -81,8 +94,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--head", type=int_in(), default=None, metavar="H",
                    help="draw only head H in the PNGs (negative: from the end); the HTML "
                         "opens on it (default: the mean over heads)")
-    p.add_argument("--max-new-tokens", type=int_in(1), default=64, metavar="N",
-                   help="longest generated target when --target is not given (default 64)")
+    p.add_argument("--max-new-tokens", type=int_in(1), default=None, metavar="N",
+                   help="longest generated target when --target is not given (default 64; "
+                        "an HF directory: its generation_config.json's max_length, else 64)")
     p.set_defaults(func=_run)
 
 
@@ -186,6 +200,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.target is not None and not args.target.strip():
         raise UserError("--target is empty (leave it out to generate the target)")
     run = Path(args.run)
+    from .seq2seq_directory import is_seq2seq_directory
+
+    if is_seq2seq_directory(run):
+        return _run_seq2seq_directory(args, run)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
     model, tok = load_run(run)
     model.eval()
     from ..models import CLIP
@@ -206,6 +226,15 @@ def _run(args: argparse.Namespace) -> int:
                         f"token); its attention maps have key columns no token labels, which "
                         f"qkv attention does not draw yet (qkv.viz.attention_maps returns "
                         f"them, prefix columns first)")
+    from ..models import Transformer
+
+    if isinstance(model, Transformer) and callable(getattr(tok, "encode_target", None)):
+        # fine-tuned from an HF encoder-decoder directory: its tokenizer frames the input
+        from ..generation.settings import GenerationSettings
+        from .seq2seq_directory import Seq2SeqDirectory
+
+        return _run_seq2seq_directory(args, run, Seq2SeqDirectory(run, model, tok,
+                                                                  GenerationSettings()))
     n_layers, n_heads = _stack_sizes(model)
     layer = _index("layer", args.layer, n_layers)
     head = _index("head", args.head, n_heads)
@@ -248,6 +277,97 @@ def _run(args: argparse.Namespace) -> int:
                                   head=head))
     for path in written:
         print(path)
+    return 0
+
+
+# --- HF encoder-decoder directories ----------------------------------------------------
+def _directory_target(d: Any, src: list[int], target: str | None, budget: int
+                      ) -> tuple[list[int], str | None]:
+    """(the decoder input: start + target ids, the generated text or None): ``target``'s
+    ids without their final eos, or the greedy output (the directory's processors on)."""
+    from ..generation import translate_ids
+
+    tok, start = d.tokenizer, d.start_id()
+    if target is not None:
+        ids = tok.encode_target(target)
+        return [start, *(ids[:-1] if ids and ids[-1] == tok.eos_id else ids)], None
+    kw = d.decoding()
+    for name in ("num_beams", "length_penalty", "early_stopping", "do_sample", "temperature",
+                 "top_k", "top_p", "max_new_tokens", "decoder_start_token_id"):
+        kw.pop(name, None)  # greedy, for --max-new-tokens
+    ends = kw.pop("eos_token_id", [tok.eos_id])
+    new = translate_ids(d.model, [src], pad_id=tok.pad_id, bos_id=start, eos_id=ends,
+                        max_new_tokens=budget, **kw)[0]
+    return [start, *new], tok.decode(new)
+
+
+def _run_seq2seq_directory(args: argparse.Namespace, path: Path, d: Any = None) -> int:
+    """``qkv attention DIR`` on an HF encoder-decoder directory (the module docstring); ``d``:
+    its ``Seq2SeqDirectory`` when already loaded (a run fine-tuned from one)."""
+    from ..outputs import new_output_dir
+    from ..viz import (
+        attention_html,
+        attention_maps,
+        plot_alignment,
+        plot_attention_grid,
+        token_labels,
+    )
+    from . import UserError
+    from .checks import check_fits
+    from .seq2seq_directory import load_seq2seq_directory, token_strings, warn_unknown_pieces
+
+    if args.image is not None or args.index is not None:
+        what = "--image" if args.image is not None else "--index"
+        raise UserError(f"{what}: {path} is an encoder-decoder, which reads text; --image / "
+                        f"--index are for CLIP runs")
+    if args.input is None:
+        raise UserError(f"--input is required: {path} is an encoder-decoder, which reads text")
+    d = load_seq2seq_directory(path) if d is None else d
+    model, tok = d.model, d.tokenizer
+    n_layers, n_heads = _stack_sizes(model)
+    layer = _index("layer", args.layer, n_layers)
+    head = _index("head", args.head, n_heads)
+    warn_unknown_pieces(tok, [args.input])
+    src = tok.encode(args.input)
+    limit = _max_len(model)
+    if limit is not None and len(src) > limit:
+        raise UserError(f"--input is {len(src)} tokens (with eos), beyond the model's "
+                        f"max_len={limit}")
+    budget = args.max_new_tokens or d.decoding().get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    budget = budget if limit is None else min(budget, limit - 1)
+    if limit is None:  # relative positions (T5): nothing else bounds the output length
+        longest = len(src) + 1 + (budget if args.target is None else
+                                  len(tok.encode_target(args.target)))
+        check_fits(f"--max-new-tokens {budget} (attention maps of up to {longest} tokens, "
+                   f"{n_layers}×{n_heads}×{longest}² fp32)", 4 * n_layers * n_heads * longest**2)
+    out = new_output_dir(Path(args.out) if args.out is not None else default_out(path),
+                         replaceable=ATTENTION_FILES)
+    tgt, generated = _directory_target(d, src, args.target, budget)
+    if limit is not None and len(tgt) > limit:
+        raise UserError(f"--target is {len(tgt)} tokens with the start token, beyond the "
+                        f"model's max_len={limit}")
+    maps = attention_maps(model, src, target_ids=tgt)
+    src_tokens, tgt_tokens = token_strings(tok, src), token_strings(tok, tgt)
+    labels = token_labels(maps, input_tokens=src_tokens, target_tokens=tgt_tokens)
+    if generated is not None:
+        print(f"generated target: {generated}")
+    written = [plot_attention_grid(
+        weights, query_tokens=labels[name][0], key_tokens=labels[name][1],
+        path=out / f"attention_{name}.png", title=f"{name} attention: {args.input}",
+        layers=None if layer is None else [layer], heads=None if head is None else [head])
+        for name, weights in maps.items()]
+    at = (-1 if layer is None else layer) % n_layers
+    cross = maps["cross"][at]  # (H, T, S)
+    which = "mean of heads" if head is None else f"head {head % n_heads}"
+    written.append(plot_alignment(
+        cross if head is None else cross[head], source_tokens=src_tokens,
+        target_tokens=tgt_tokens, path=out / "attention_alignment.png",
+        title=f"cross-attention, layer {at}, {which}: {args.input}"))
+    written.append(attention_html(maps, tokens=labels, path=out / "attention.html",
+                                  title=f"qkv attention: {args.input}", layer=layer,
+                                  head=head))
+    for p in written:
+        print(p)
     return 0
 
 

@@ -1,6 +1,6 @@
 """``qkv generate`` (continue prompts with a trained GPT, or with a model directory) and
-``qkv translate`` (decode inputs with a trained encoder-decoder Transformer), from a run
-directory of ``qkv train``.
+``qkv translate`` (decode inputs with a trained encoder-decoder Transformer, or with an HF
+encoder-decoder directory), from a run directory of ``qkv train``.
 
 A GPT trained on a pair task (run.json names a ``task``) answers each prompt the way it was
 trained — bos + prompt + eos, continued up to its eos — and prints the answer; a GPT trained
@@ -20,6 +20,14 @@ One output (one prompt or question, no beams) is printed as it is generated: the
 each new token once it is stable (a character whose bytes are still arriving waits for
 them), then the speed in tokens/s on stderr. Several outputs are printed at the end, one per
 line.
+
+``qkv translate DIR`` on a HuggingFace encoder-decoder directory (T5 / Flan-T5, BART, Marian
+opus-mt: config.json, weights and tokenizer files, ``qkv.cli.seq2seq_directory``) frames each
+input with the directory's tokenizer and decodes with its generation_config.json (beams,
+lengths, ``no_repeat_ngram_size``, ``bad_words_ids``...; ``qkv.generation.translate`` with
+``settings=``): the outputs of transformers' ``generate`` + ``batch_decode(...,
+skip_special_tokens=True)``. --beams, --length-penalty and --max-new-tokens override the
+file's values.
 """
 
 from __future__ import annotations
@@ -43,9 +51,11 @@ is generated (tokens/s on stderr).
 Greedy by default, beam search with --beams K, sampling with --sample."""
 
 TRANSLATE_DESCRIPTION = """\
-Decode inputs with an encoder-decoder Transformer run of `qkv train`: each input is
-read as source + eos and its output printed up to eos.
-Greedy by default, beam search with --beams K."""
+Decode inputs with an encoder-decoder Transformer run of `qkv train` (each input is
+read as source + eos and its output printed up to eos; greedy by default, beam search
+with --beams K), or with a HuggingFace encoder-decoder directory (T5, BART, Marian:
+config.json, weights and tokenizer files), framed by its tokenizer and decoded with
+its generation_config.json (opus-mt: 4 beams) unless options say otherwise."""
 
 GENERATE_EXAMPLES = """examples:
   qkv generate runs/shakespeare --prompt "To be, or not" --max-new-tokens 200
@@ -65,6 +75,8 @@ TRANSLATE_EXAMPLES = """examples:
   qkv translate runs/dates --file heldout.tsv --beams 4      # sources = first TSV column
   qkv translate runs/my-model --file sentences.txt            # one input per non-blank line
   qkv translate runs/dates --input "3/4/99" --int8            # int8 weights (qkv.quantize)
+  qkv translate models/opus-mt-en-zh --input "How are you?"   # an HF Marian directory
+  qkv translate models/flan-t5-small --input "translate English to German: Hi" --beams 1
 
 Prints one output per input, in order.
 """
@@ -102,23 +114,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("translate", help="decode inputs with a trained encoder-decoder run",
                        description=TRANSLATE_DESCRIPTION, epilog=TRANSLATE_EXAMPLES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    t.add_argument("run", help="run directory written by `qkv train` (model transformer)")
+    t.add_argument("run", help="run directory written by `qkv train` (model transformer), "
+                               "or an HF encoder-decoder directory (T5, BART, Marian)")
     src = t.add_mutually_exclusive_group(required=True)
     src.add_argument("--input", action="append", help="an input text (repeat for several)")
     src.add_argument("--file", help="a TSV file (inputs = first column) or a text file (one "
                                     "input per non-blank line)")
-    _decoding_options(t)
+    _decoding_options(t, settings=True)
     t.set_defaults(func=_run_translate)
 
 
-def _decoding_options(p: argparse.ArgumentParser) -> None:
+def _decoding_options(p: argparse.ArgumentParser, *, settings: bool = False) -> None:
+    """The decoding options; ``settings``: a model directory's generation settings are the
+    defaults (None here: not given)."""
+    where = " an HF directory's generation_config.json, else" if settings else ""
     p.add_argument("--max-new-tokens", type=int_in(1), default=None,
-                   help="most tokens to generate per output (default: up to 100, within the "
-                        "model's max_len)")
-    p.add_argument("--beams", type=int_in(1), default=1,
-                   help="beam search with K beams (default 1: greedy)")
-    p.add_argument("--length-penalty", type=float_in(), default=1.0,
-                   help="beam search: rank hypotheses by log-prob / length**P (default 1.0)")
+                   help=f"most tokens to generate per output (default:{where} up to 100, "
+                        f"within the model's max_len)")
+    p.add_argument("--beams", type=int_in(1), default=None if settings else 1,
+                   help=f"beam search with K beams (default:{where} 1, greedy)")
+    p.add_argument("--length-penalty", type=float_in(), default=None if settings else 1.0,
+                   help=f"beam search: rank hypotheses by log-prob / length**P (default:"
+                        f"{where} 1.0)")
     p.add_argument("--stop", action="append", default=[], metavar="TOKEN",
                    help="also end an output at this token (one token of the run's or model's "
                         "tokenizer, e.g. '.'; kept in the output), repeatable; eos always ends it")
@@ -523,14 +540,46 @@ def _inputs(args: argparse.Namespace) -> list[str]:
 
 def _run_translate(args: argparse.Namespace) -> int:
     from ..generation import translate
+    from .seq2seq_directory import is_seq2seq_directory
 
     sources = _inputs(args)
+    if is_seq2seq_directory(Path(args.run)):
+        return _translate_directory(args, sources)
+    args.beams = 1 if args.beams is None else args.beams
+    penalty = 1.0 if args.length_penalty is None else args.length_penalty
     model, tok, _ = _load(args.run, "transformer", args.int8)
-    warn_unknown(tok, sources)
-    _check_sizes(model, [[*tok.encode(s), tok.eos_id] for s in sources], args)
+    if callable(getattr(tok, "encode_target", None)):  # fine-tuned from an HF directory
+        from .seq2seq_directory import stop_token_ids, warn_unknown_pieces
+
+        warn_unknown_pieces(tok, sources)
+        rows, stops = [tok.encode(s) for s in sources], stop_token_ids(tok, args.stop)
+    else:
+        warn_unknown(tok, sources)
+        rows = [[*tok.encode(s), tok.eos_id] for s in sources]
+        stops = _stop_tokens(tok, args.stop)
+    _check_sizes(model, rows, args)
     outputs = translate(model, tok, sources, max_new_tokens=args.max_new_tokens,
-                        num_beams=args.beams, length_penalty=args.length_penalty,
-                        stop_tokens=_stop_tokens(tok, args.stop))
+                        num_beams=args.beams, length_penalty=penalty, stop_tokens=stops)
+    print("\n".join(outputs))
+    sys.stdout.flush()
+    return 0
+
+
+def _translate_directory(args: argparse.Namespace, sources: list[str]) -> int:
+    """``qkv translate DIR`` on an HF encoder-decoder directory: its tokenizer's framing, its
+    generation settings under the command line's options."""
+    from ..generation import translate
+    from .seq2seq_directory import load_seq2seq_directory, stop_token_ids, warn_unknown_pieces
+
+    d = load_seq2seq_directory(Path(args.run), int8=args.int8)
+    warn_unknown_pieces(d.tokenizer, sources)
+    decoding = d.decoding(num_beams=args.beams, length_penalty=args.length_penalty,
+                          max_new_tokens=args.max_new_tokens)
+    sizes = argparse.Namespace(beams=decoding.get("num_beams", 1),
+                               max_new_tokens=decoding.get("max_new_tokens"))
+    _check_sizes(d.model, [d.tokenizer.encode(s) for s in sources], sizes)
+    outputs = translate(d.model, d.tokenizer, sources,
+                        stop_tokens=stop_token_ids(d.tokenizer, args.stop), **decoding)
     print("\n".join(outputs))
     sys.stdout.flush()
     return 0
