@@ -214,8 +214,11 @@ def test_a_lora_run_starts_at_hf_s_loss_learns_and_keeps_its_tokenizer(files, fa
 
     # qkv peft merge writes a model directory with the tokenizer's own files, read back
     merged = tmp_path / "merged"
+    capsys.readouterr()
     assert main(["peft", "merge", str(out), "--out", str(merged)]) == 0
     assert all((merged / name).is_file() for name in kept[family])
+    said = capsys.readouterr().out
+    assert all(name in said for name in kept[family]) and "tokenizer.json" not in said
     again, again_tok = load_run(merged)
     assert isinstance(again_tok, Seq2SeqTokenizer)
     assert [again_tok.encode(s) for s, _ in train] == src

@@ -78,6 +78,7 @@ def _run_merge(args: argparse.Namespace) -> int:
         info = {**info, "init_from": None, "peft": None}
         text = json.dumps(info, indent=2, sort_keys=True, ensure_ascii=False)
         atomic_write(out / "run.json", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
-    print(f"qkv peft merge: {args.run} (LoRA) + its base -> {out} (config.json, "
-          f"model.safetensors, tokenizer.json)")
+    written = ", ".join(("config.json", "model.safetensors",
+                         *getattr(tokenizer, "files", ("tokenizer.json",))))
+    print(f"qkv peft merge: {args.run} (LoRA) + its base -> {out} ({written})")
     return 0
