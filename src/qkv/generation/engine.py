@@ -31,8 +31,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from ..models.transformer import Transformer
 from .backends import BACKENDS, Backend
 from .plan import DecodePlan, Unplannable, decode_plan
+from .seq2seq_engine import explain_seq2seq
 from .static_backend import Compiled, StaticEager
 
 __all__ = ["MEASURE_STEPS", "OPT_IN", "Choice", "choose", "decoder_stepper", "explain",
@@ -200,7 +202,12 @@ def explain(model: nn.Module, *, batch: int = 1, num_beams: int = 1,
     rows each): the backend that would run and, for every other one, why it refuses (or
     that it was not tried). ``dtype``, ``device``, ``threads`` default as ``choose``'s;
     ``multi_token=True`` for what prompt lookup (``prompt_lookup_num_tokens``) and the target
-    of speculative decoding run on. Returns the text."""
+    of speculative decoding run on. Returns the text. An encoder-decoder ``Transformer`` is
+    explained by ``qkv.generation.seq2seq_engine.explain_seq2seq`` (its own backends;
+    ``multi_token`` does not change them: each feeds several tokens per pass)."""
+    if isinstance(model, Transformer):
+        return explain_seq2seq(model, batch=batch, num_beams=num_beams, dtype=dtype,
+                               device=device, threads=threads)
     rows = batch * num_beams
     choice = choose(model, rows, dtype=dtype, device=device, threads=threads,
                     multi_token=multi_token)

@@ -24,8 +24,10 @@ import torch
 from torch import Tensor, nn
 
 from ..modules.cache import WindowKVCache
+from .seq2seq_engine import seq2seq_stepper
 
-__all__ = ["GPTStepper", "Seq2SeqStepper", "check_truncatable", "reorder_cache", "truncate_cache"]
+__all__ = ["GPTStepper", "Seq2SeqModuleStepper", "Seq2SeqStepper", "check_truncatable",
+           "reorder_cache", "truncate_cache"]
 
 
 def reorder_cache(cache: Any, idx: Tensor) -> None:
@@ -153,9 +155,59 @@ class GPTStepper:
 
 
 class Seq2SeqStepper:
-    """A ``qkv.models.Transformer``: the encoder runs once, the cross-attention keys/values
-    are projected once per source (``precompute_memory_kv``) and repeated for the beams, the
-    decoder's self-attention uses ``new_cache``. Uncached: ``model(src, tgt)`` every step.
+    """A ``qkv.models.Transformer`` on the encoder-decoder decode engine
+    (``qkv.generation.seq2seq_engine``; docs/ARCHITECTURE.md: Decode backends): with the
+    cache, the backend ``choose_seq2seq`` picks — the model's ``Seq2SeqPlan`` on a weight
+    form (``Seq2SeqPlanStepper``), or its modules (``Seq2SeqModuleStepper``) when it has no
+    plan; uncached, the modules recompute the whole sequence each step (the oracle).
+
+    Args:
+        model: the Transformer.
+        src: (B, S) source ids.
+        src_mask: (B, S) bool, True = real token, or None (derived from ``pad_id``).
+        start: the decoder's first token.
+        beams: K; rows R = B·K (each source's K rows consecutive).
+        max_new_tokens: T.
+        use_cache: False recomputes the whole sequence each step.
+        backend: force a backend by name (``SEQ2SEQ_BACKENDS``; tests, benchmarks), or None.
+
+    ``backend`` (attribute): the name of the backend that runs; ``cache``: the
+    self-attention caches (a list of ``KVCache``; None uncached); ``length``: the target
+    positions fed so far. ``prefill``, ``step``, ``run``, ``rewind`` and ``reorder`` are the
+    running stepper's (the protocol of ``qkv.generation.steppers``).
+    """
+
+    def __init__(self, model: nn.Module, src: Tensor, src_mask: Tensor | None, start: int,
+                 beams: int, max_new_tokens: int, use_cache: bool, *,
+                 backend: str | None = None) -> None:
+        impl = None
+        if use_cache:
+            impl = seq2seq_stepper(model, src, src_mask, start, beams, max_new_tokens,
+                                   backend=backend)
+        elif backend not in (None, "modules"):
+            raise ValueError(f"Seq2SeqStepper: use_cache=False decodes through the modules, "
+                             f"not backend {backend!r}")
+        if impl is None:
+            impl = Seq2SeqModuleStepper(model, src, src_mask, start, beams, max_new_tokens,
+                                        use_cache)
+        self.impl = impl
+        self.backend = impl.backend
+        self.cache = getattr(impl, "cache", None)
+        self.prefill, self.step, self.run = impl.prefill, impl.step, impl.run
+        self.rewind, self.reorder = impl.rewind, impl.reorder
+
+    @property
+    def length(self) -> int:
+        """Target positions fed so far (the start token included)."""
+        return self.impl.length
+
+
+class Seq2SeqModuleStepper:
+    """A ``qkv.models.Transformer`` through its modules (the ``modules`` backend of
+    ``qkv.generation.seq2seq_engine``, and the oracle of the others): the encoder runs once,
+    the cross-attention keys/values are projected once per source (``precompute_memory_kv``)
+    and repeated for the beams, the decoder's self-attention uses ``new_cache``. Uncached:
+    ``model(src, tgt)`` every step.
 
     Args:
         model: the Transformer.
@@ -171,6 +223,8 @@ class Seq2SeqStepper:
                  beams: int, max_new_tokens: int, use_cache: bool) -> None:
         self.model = model
         self.use_cache = use_cache
+        self.backend = "modules"
+        self.cache = None
         rows = src.shape[0] * beams
         self.tgt = torch.full((rows, 1 + max_new_tokens), start, dtype=torch.long,
                               device=src.device)
