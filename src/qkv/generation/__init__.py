@@ -11,7 +11,10 @@ plan, each declaring what it supports), ``engine`` (``decoder_stepper``, ``expla
 torch ops, once) over ``linears`` (dense, oneDNN-packed, int8 weights), ``c_layer`` (the layer
 as one C call), ``prefill`` (a padded prompt on its real tokens), and the optional C kernels
 (``attention_kernel``, ``gemv_kernel``, ``int8_kernel``, ``row_step_kernel``; built by
-``c_kernels``). ``text``: ``translate`` / ``complete``, strings in and out. ``chat``: chat
+``c_kernels``). The encoder-decoder's engine: ``seq2seq_plan`` (``Seq2SeqPlan``, with the
+encoder's ``EncoderPlan``), ``seq2seq_layers`` (the decoder layer once over ``linears``),
+``seq2seq_encoder``, ``seq2seq_stepper``, ``seq2seq_engine`` (the backend choice,
+``explain_seq2seq``). ``text``: ``translate`` / ``complete``, strings in and out. ``chat``: chat
 templates rendered as transformers renders them (``render_chat``, ``chat_prompt_ids``), the
 stop tokens of a model directory (``stop_token_ids``, ``read_generation_config``) and
 ``chat`` (a conversation in, the answer out; the name ``qkv.generation.chat`` is that
