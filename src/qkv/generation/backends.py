@@ -41,7 +41,7 @@ from .linears import (
     PackedLinears,
     packing_works,
 )
-from .plan import DecodePlan
+from .plan import DecodePlan, plan_check
 from .stepper import PlanStepper
 from .steppers import GPTStepper
 from .torch_layer import TorchLayers
@@ -68,20 +68,6 @@ class Backend:
     def stepper(self, plan: DecodePlan | None, model: nn.Module, ids: Tensor,
                 keep: Tensor | None, capacity: int):
         raise NotImplementedError
-
-
-def _plan_check(plan: DecodePlan | None, dtype: torch.dtype, device: torch.device, *,
-                int8: bool) -> str | None:
-    """The reason a plan does not fit a backend of this weight form, or None."""
-    if plan is None:
-        return "the model has no decode plan"
-    if plan.int8 != int8:
-        return "the weights are not int8" if int8 else "the weights are int8"
-    if dtype != plan.dtype:
-        return f"activations in {dtype}, the plan's are {plan.dtype}"
-    if device != plan.device:
-        return f"device {device}, the weights are on {plan.device}"
-    return None
 
 
 def _c_layer_check(plan: DecodePlan) -> str | None:
@@ -120,7 +106,7 @@ class _PlanBackend(Backend):
 def _int8_kernel_check(plan: DecodePlan | None, dtype: torch.dtype,
                        device: torch.device) -> str | None:
     """Why an int8 plan cannot use the C int8 products here, or None."""
-    why = _plan_check(plan, dtype, device, int8=True) or _cpu(device)
+    why = plan_check(plan, dtype, device, int8=True) or _cpu(device)
     if why is None and int8_kernel.load() is None:
         why = "the int8 kernel is off or cannot be built here (QKV_INT8_KERNEL, a C compiler)"
     return why
@@ -164,7 +150,7 @@ class Int8Torch(_PlanBackend):
     prefill_on_rows = False
 
     def supports(self, plan, rows, dtype, device, threads):
-        return _plan_check(plan, dtype, device, int8=True)
+        return plan_check(plan, dtype, device, int8=True)
 
     def runner(self, plan, cache, bias):
         return TorchLayers(plan, Int8Linears(plan), cache, bias)
@@ -184,7 +170,7 @@ class CLayerFP32(_PlanBackend):
     one_token_only = True
 
     def supports(self, plan, rows, dtype, device, threads):
-        why = _plan_check(plan, dtype, device, int8=False) or _cpu(device)
+        why = plan_check(plan, dtype, device, int8=False) or _cpu(device)
         if why is None and dtype is not torch.float32:
             why = f"the C layer computes fp32, not {dtype}"
         if why is None and rows != 1:
@@ -207,7 +193,7 @@ class OneDNNPacked(_PlanBackend):
     name = "onednn-packed"
 
     def supports(self, plan, rows, dtype, device, threads):
-        why = _plan_check(plan, dtype, device, int8=False)
+        why = plan_check(plan, dtype, device, int8=False)
         if why is None and (dtype is not torch.float32 or device.type != "cpu"):
             why = "oneDNN packing is for fp32 on the CPU"
         if why is None and rows < _fast_linear.MIN_ROWS:
@@ -237,7 +223,7 @@ class Bf16Packed(_PlanBackend):
     name = "bf16-packed"
 
     def supports(self, plan, rows, dtype, device, threads):
-        why = _plan_check(plan, dtype, device, int8=False)
+        why = plan_check(plan, dtype, device, int8=False)
         if why is None and (dtype is not torch.bfloat16 or device.type != "cpu"):
             why = "for bf16 models on the CPU"
         return why or _bf16_check(device) or _packing_check()
@@ -250,7 +236,7 @@ class Torch(_PlanBackend):
     name = "torch"
 
     def supports(self, plan, rows, dtype, device, threads):
-        why = _plan_check(plan, dtype, device, int8=False)
+        why = plan_check(plan, dtype, device, int8=False)
         if why is None and dtype is torch.bfloat16:
             why = _bf16_check(device)
         return why

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from ..models.transformer import Transformer
 from .backends import BACKENDS, Backend
+from .explain_lines import backend_lines, ms_per_step
 from .plan import DecodePlan, Unplannable, decode_plan
 from .seq2seq_engine import explain_seq2seq
 from .static_backend import Compiled, StaticEager
@@ -171,8 +172,9 @@ def choose(model: nn.Module, rows: int, *, dtype: torch.dtype | None = None,
     best = min(timed, key=lambda b: measured[b.name])
     for b in timed:
         if b is not best:
-            refusals.append((b.name, f"measured slower here: {_ms(measured[b.name])} "
-                                     f"against {best.name}'s {_ms(measured[best.name])}"))
+            refusals.append((b.name, f"measured slower here: "
+                                     f"{ms_per_step(measured[b.name])} against "
+                                     f"{best.name}'s {ms_per_step(measured[best.name])}"))
     return Choice(best, plan, why_no_plan, _in_order(refusals), measured)
 
 
@@ -215,25 +217,9 @@ def explain(model: nn.Module, *, batch: int = 1, num_beams: int = 1,
     lines = [f"decode: {type(model).__name__}, {rows} row(s), {threads} thread(s)"]
     lines.append("  plan: " + ("none: " + choice.why_no_plan if choice.plan is None else
                                _describe(choice.plan)))
-    refused = dict(choice.refusals)
-    for b in BACKENDS:
-        one = " [runs on one thread]" if b.one_thread else ""
-        if b is choice.backend:
-            how = ""
-            if choice.measured:
-                how = " (measured: " + ", ".join(
-                    f"{name} {_ms(sec)}" for name, sec in choice.measured.items()) + ")"
-            lines.append(f"  * {b.name}: runs{how}{one}")
-        elif b.name in refused:
-            lines.append(f"    {b.name}: {refused[b.name]}{one}")
-        else:
-            lines.append(f"    {b.name}: not tried (an earlier backend runs){one}")
+    lines += backend_lines(BACKENDS, choice)
     lines.append("  opt-in (backend=...): " + ", ".join(b.name for b in OPT_IN))
     return "\n".join(lines)
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.2f} ms/step"
 
 
 def _describe(plan: DecodePlan) -> str:

@@ -38,7 +38,7 @@ from ..modules.positions import RoPE
 from ..modules.quantized import QuantizedLinear, scale127
 
 __all__ = ["PLAN_DTYPES", "DecodePlan", "LayerPlan", "LinearPlan", "NormPlan", "Unplannable",
-           "apply_norm", "decode_plan"]
+           "apply_norm", "decode_plan", "plan_check"]
 
 # GPTConfig fields a plan describes (any value); another field with a non-default value
 # (a variant added later) is refused, so the model decodes on the module path
@@ -281,3 +281,18 @@ def decode_plan(model: object, capacity: int | None = None) -> DecodePlan:
         int8=kinds == {True}, dtype=dtype, device=model.embed.weight.device,
         embed_scale=(torch.tensor(c.dim ** 0.5, dtype=dtype).item() if c.embed_scale
                      else None), qk_norm=c.qk_norm)
+
+
+def plan_check(plan: object, dtype: torch.dtype, device: torch.device, *,
+               int8: bool) -> str | None:
+    """The reason a plan (a ``DecodePlan`` or a ``Seq2SeqPlan``: anything with ``int8``,
+    ``dtype`` and ``device``) does not fit a backend of this weight form, or None."""
+    if plan is None:
+        return "the model has no decode plan"
+    if plan.int8 != int8:
+        return "the weights are not int8" if int8 else "the weights are int8"
+    if dtype != plan.dtype:
+        return f"activations in {dtype}, the plan's are {plan.dtype}"
+    if device != plan.device:
+        return f"device {device}, the weights are on {plan.device}"
+    return None

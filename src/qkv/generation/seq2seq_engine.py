@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from ..ops import fast_linear as _fast_linear
 from . import attention_kernel, int8_kernel
+from .explain_lines import backend_lines, ms_per_step
 from .linears import (
     PACKED_MIN_WEIGHTS,
     DenseLinears,
@@ -50,7 +51,7 @@ from .linears import (
     PackedLinears,
     packing_works,
 )
-from .plan import Unplannable
+from .plan import Unplannable, plan_check
 from .seq2seq_plan import Seq2SeqPlan, seq2seq_plan
 from .seq2seq_stepper import Seq2SeqPlanStepper
 
@@ -112,26 +113,12 @@ def attention(plan: Seq2SeqPlan, threads: int | None = None):
     return None
 
 
-def _plan_check(plan: Seq2SeqPlan | None, dtype: torch.dtype, device: torch.device, *,
-                int8: bool) -> str | None:
-    """The reason a plan does not fit a backend of this weight form, or None."""
-    if plan is None:
-        return "the model has no decode plan"
-    if plan.int8 != int8:
-        return "the weights are not int8" if int8 else "the weights are int8"
-    if dtype != plan.dtype:
-        return f"activations in {dtype}, the plan's are {plan.dtype}"
-    if device != plan.device:
-        return f"device {device}, the weights are on {plan.device}"
-    return None
-
-
 class Int8Kernel(Seq2SeqBackend):
     name = "int8-kernel"
     one_thread = True
 
     def supports(self, plan, rows, dtype, device, threads):
-        why = _plan_check(plan, dtype, device, int8=True)
+        why = plan_check(plan, dtype, device, int8=True)
         if why is None and device.type != "cpu":
             why = f"C kernels run on the CPU, not {device}"
         if why is None and int8_kernel.load() is None:
@@ -150,7 +137,7 @@ class Int8Torch(Seq2SeqBackend):
     name = "int8-torch"
 
     def supports(self, plan, rows, dtype, device, threads):
-        return _plan_check(plan, dtype, device, int8=True)
+        return plan_check(plan, dtype, device, int8=True)
 
     def linears(self, plan):
         return Int8Linears(plan)
@@ -163,7 +150,7 @@ class OneDNNPacked(Seq2SeqBackend):
     name = "onednn-packed"
 
     def supports(self, plan, rows, dtype, device, threads):
-        why = _plan_check(plan, dtype, device, int8=False)
+        why = plan_check(plan, dtype, device, int8=False)
         if why is None and (dtype is not torch.float32 or device.type != "cpu"):
             why = "oneDNN packing is for fp32 on the CPU"
         if why is None and rows < _fast_linear.MIN_ROWS:
@@ -185,7 +172,7 @@ class Torch(Seq2SeqBackend):
     name = "torch"
 
     def supports(self, plan, rows, dtype, device, threads):
-        return _plan_check(plan, dtype, device, int8=False)
+        return plan_check(plan, dtype, device, int8=False)
 
     def linears(self, plan):
         return DenseLinears(plan)
@@ -301,8 +288,9 @@ def choose_seq2seq(model: nn.Module, batch: int, beams: int = 1, *,
     best = min(timed, key=lambda b: measured[b.name])
     for b in timed:
         if b is not best:
-            refusals.append((b.name, f"measured slower here: {_ms(measured[b.name])} "
-                                     f"against {best.name}'s {_ms(measured[best.name])}"))
+            refusals.append((b.name, f"measured slower here: "
+                                     f"{ms_per_step(measured[b.name])} against "
+                                     f"{best.name}'s {ms_per_step(measured[best.name])}"))
     order = {name: i for i, name in enumerate(names)}
     refusals.sort(key=lambda r: order[r[0]])
     return Seq2SeqChoice(best, plan, why_no_plan, tuple(refusals), measured)
@@ -339,23 +327,7 @@ def explain_seq2seq(model: nn.Module, *, batch: int = 1, num_beams: int = 1,
         enc = choice.plan.why_no_encoder
         lines.append("  encoder: " + (f"modules ({enc})" if enc is not None else
                                       "plan (on the int8 backends' weight forms), else modules"))
-    refused = dict(choice.refusals)
-    for b in SEQ2SEQ_BACKENDS:
-        one = " [runs on one thread]" if b.one_thread else ""
-        if b is choice.backend:
-            how = ""
-            if choice.measured:
-                how = " (measured: " + ", ".join(
-                    f"{name} {_ms(sec)}" for name, sec in choice.measured.items()) + ")"
-            lines.append(f"  * {b.name}: runs{how}{one}")
-        elif b.name in refused:
-            lines.append(f"    {b.name}: {refused[b.name]}{one}")
-        else:
-            lines.append(f"    {b.name}: not tried (an earlier backend runs){one}")
+    lines += backend_lines(SEQ2SEQ_BACKENDS, choice)
     lines.append("    c-layer-int8, c-layer-fp32: decoder-only layers (no cross-attention); "
                  "not for a Transformer")
     return "\n".join(lines)
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.2f} ms/step"
