@@ -43,7 +43,7 @@ def test_unwritten_cache_positions_are_never_read(rows, kernels, kw, monkeypatch
     if kernels == "off":
         for name in ("QKV_ATTN_KERNEL", "QKV_ROW_KERNEL", "QKV_GEMV_KERNEL"):
             monkeypatch.setenv(name, "0")
-    monkeypatch.setattr("qkv.generation.backends.PACKED_MIN_WEIGHTS", 1)  # six rows: packed
+    monkeypatch.setattr("qkv.generation.linears.PACKED_MIN_WEIGHTS", 1)  # six rows: packed
     model = tiny_gpt(**kw)
     ids, keep = left_padded(rows=rows, n=7, shift=2)
     keep = keep if rows > 1 else None

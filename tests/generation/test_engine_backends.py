@@ -66,7 +66,7 @@ def one_thread():
 @pytest.fixture
 def pack_small(monkeypatch):
     """The oneDNN backend for the tiny test models too (its size threshold off)."""
-    monkeypatch.setattr(backends_module, "PACKED_MIN_WEIGHTS", 0)
+    monkeypatch.setattr("qkv.generation.linears.PACKED_MIN_WEIGHTS", 0)
 
 
 def _decode(model, ids, keep, backend):

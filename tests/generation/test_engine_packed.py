@@ -36,7 +36,7 @@ F32 = dict(atol=2e-4, rtol=2e-5)
 @pytest.fixture(autouse=True)
 def _packed_small(monkeypatch):
     """Send even these tiny models through the packed backend at 4+ rows, one thread."""
-    monkeypatch.setattr("qkv.generation.backends.PACKED_MIN_WEIGHTS", 1)
+    monkeypatch.setattr("qkv.generation.linears.PACKED_MIN_WEIGHTS", 1)
     monkeypatch.setattr("qkv.ops.fast_linear.MIN_ROWS", 4)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -82,7 +82,7 @@ def test_stepper_prefill_uses_rows_and_matches_fp64(kw, batch, monkeypatch):
     """The engine stepper's ``prefill`` of a padded batch goes through ``prefill_rows``; its
     logits and the next 4 steps' == the fp64 uncached forward, and the prefill logits == the
     padded forward's (1e-5)."""
-    monkeypatch.setattr("qkv.generation.backends.PACKED_MIN_WEIGHTS", 1)
+    monkeypatch.setattr("qkv.generation.linears.PACKED_MIN_WEIGHTS", 1)
     monkeypatch.setattr("qkv.ops.fast_linear.MIN_ROWS", 4)
     calls = []
     real_fn = prefill_rows

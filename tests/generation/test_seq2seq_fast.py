@@ -90,8 +90,8 @@ def threads(request):
 @pytest.fixture
 def pack_small(monkeypatch):
     """The oneDNN backend for the tiny test models and rows too (its thresholds off)."""
-    monkeypatch.setattr(engine, "PACKED_MIN_WEIGHTS", 0)
-    monkeypatch.setattr(engine._fast_linear, "MIN_ROWS", 1)
+    monkeypatch.setattr("qkv.generation.linears.PACKED_MIN_WEIGHTS", 0)
+    monkeypatch.setattr("qkv.ops.fast_linear.MIN_ROWS", 1)
 
 
 def drive(model, src, keep, beams: int, backend: str, steps: int = 5):

@@ -118,7 +118,7 @@ def test_a_few_rows_see_an_in_place_edit(where, how, monkeypatch, one_torch_thre
 @pytest.mark.parametrize("where", WHERE)
 def test_packed_batch_sees_an_in_place_edit(where, how, monkeypatch, one_torch_thread):
     """>= 4 rows: the step multiplies by oneDNN-packed copies (let in for the tiny model)."""
-    monkeypatch.setattr("qkv.generation.backends.PACKED_MIN_WEIGHTS", 1)
+    monkeypatch.setattr("qkv.generation.linears.PACKED_MIN_WEIGHTS", 1)
     monkeypatch.setattr("qkv.ops.fast_linear.MIN_ROWS", 4)
     made = _spy(monkeypatch)
     model = tiny_gpt()

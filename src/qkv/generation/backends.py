@@ -29,16 +29,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..ops import fast_linear as _fast_linear
 from ..ops.cpu import cpu_bf16
 from . import attention_kernel, gemv_kernel, int8_kernel, row_step_kernel
 from .c_layer import CLayers
 from .linears import (
-    PACKED_MIN_WEIGHTS,
     DenseLinears,
     Int8KernelLinears,
     Int8Linears,
     PackedLinears,
+    packed_refusal,
     packing_works,
 )
 from .plan import DecodePlan, plan_check
@@ -193,17 +192,8 @@ class OneDNNPacked(_PlanBackend):
     name = "onednn-packed"
 
     def supports(self, plan, rows, dtype, device, threads):
-        why = plan_check(plan, dtype, device, int8=False)
-        if why is None and (dtype is not torch.float32 or device.type != "cpu"):
-            why = "oneDNN packing is for fp32 on the CPU"
-        if why is None and rows < _fast_linear.MIN_ROWS:
-            why = f"{rows} rows < {_fast_linear.MIN_ROWS} (a few rows stream faster by addmm)"
-        if why is None:
-            lins = plan.linears()
-            mean = sum(lin.weight.numel() for lin in lins) / len(lins)
-            if mean < PACKED_MIN_WEIGHTS:
-                why = f"{mean:.0f} weights per projection < {PACKED_MIN_WEIGHTS}"
-        return why or _packing_check()
+        return (plan_check(plan, dtype, device, int8=False)
+                or packed_refusal(plan, rows, dtype, device))
 
     def runner(self, plan, cache, bias):
         threads = torch.get_num_threads()

@@ -31,7 +31,7 @@ from . import kernel_registry
 from .plan import DecodePlan
 
 __all__ = ["PACKED_MIN_WEIGHTS", "DenseLinears", "Int8KernelLinears", "Int8Linears",
-           "PackedLinears", "packing_works"]
+           "PackedLinears", "packed_refusal", "packing_works"]
 
 
 class _Kind:
@@ -77,6 +77,25 @@ oneDNN kind is used: each call costs more than ``addmm`` by a fixed amount, whic
 do not earn back (``BENCHMARKS.md``, generation)."""
 _PACK_ROWS = 16  # the batch-size hint the weights are packed for (any row count works)
 _PACKING: dict[str, bool] = {}
+
+
+def packed_refusal(plan: object, rows: int, dtype: torch.dtype, device: torch.device
+                   ) -> str | None:
+    """Why the oneDNN-packed form would not pay (or cannot run) for a fp32 plan (a
+    ``DecodePlan`` or ``Seq2SeqPlan``, with ``linears()``) decoding ``rows`` rows, or None:
+    fp32 on the CPU only, at least ``MIN_ROWS`` rows, projections of ``PACKED_MIN_WEIGHTS``
+    weights on average, and a torch build that packs."""
+    if dtype is not torch.float32 or device.type != "cpu":
+        return "oneDNN packing is for fp32 on the CPU"
+    if rows < _fast_linear.MIN_ROWS:
+        return f"{rows} rows < {_fast_linear.MIN_ROWS} (a few rows stream faster by addmm)"
+    lins = plan.linears()
+    mean = sum(lin.weight.numel() for lin in lins) / len(lins)
+    if mean < PACKED_MIN_WEIGHTS:
+        return f"{mean:.0f} weights per projection < {PACKED_MIN_WEIGHTS}"
+    if not packing_works():
+        return "this torch build does not pack weights for oneDNN (or onednn_linear(False))"
+    return None
 
 
 def packing_works() -> bool:

@@ -40,16 +40,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..ops import fast_linear as _fast_linear
 from . import attention_kernel, int8_kernel
 from .explain_lines import backend_lines, ms_per_step
 from .linears import (
-    PACKED_MIN_WEIGHTS,
     DenseLinears,
     Int8KernelLinears,
     Int8Linears,
     PackedLinears,
-    packing_works,
+    packed_refusal,
 )
 from .plan import Unplannable, plan_check
 from .seq2seq_plan import Seq2SeqPlan, seq2seq_plan
@@ -150,19 +148,8 @@ class OneDNNPacked(Seq2SeqBackend):
     name = "onednn-packed"
 
     def supports(self, plan, rows, dtype, device, threads):
-        why = plan_check(plan, dtype, device, int8=False)
-        if why is None and (dtype is not torch.float32 or device.type != "cpu"):
-            why = "oneDNN packing is for fp32 on the CPU"
-        if why is None and rows < _fast_linear.MIN_ROWS:
-            why = f"{rows} rows < {_fast_linear.MIN_ROWS} (a few rows stream faster by addmm)"
-        if why is None:
-            lins = plan.linears()
-            mean = sum(lin.weight.numel() for lin in lins) / len(lins)
-            if mean < PACKED_MIN_WEIGHTS:
-                why = f"{mean:.0f} weights per projection < {PACKED_MIN_WEIGHTS}"
-        if why is None and not packing_works():
-            why = "this torch build does not pack weights for oneDNN (or onednn_linear(False))"
-        return why
+        return (plan_check(plan, dtype, device, int8=False)
+                or packed_refusal(plan, rows, dtype, device))
 
     def linears(self, plan):
         return PackedLinears(plan)
