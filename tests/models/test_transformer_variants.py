@@ -96,3 +96,26 @@ def test_attention_head_dim_and_scale_and_gated_ffn():
 def test_bad_fields_are_refused(fields, match):
     with pytest.raises(ValueError, match=match):
         TransformerConfig(**{**BASE, **fields})
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_freeze_pad_row_decides_whether_the_pad_row_learns(frozen):
+    """T5 starts its decoder from the pad token, and HF trains that row (no padding_idx);
+    untied here: a tied head would give the row a gradient through the logits anyway;
+    BART/Marian (and the paper's model) keep it frozen at zero."""
+    m = _model(freeze_pad_row=frozen, share_embeddings=True, bos_id=0, tie_output=False)
+    m.train()
+    assert bool((m.src_embed.weight[0] == 0).all()) == frozen
+    src, tgt = torch.tensor([[3, 4, 5, 2]]), torch.tensor([[0, 6, 7]])
+    m(src, tgt).sum().backward()
+    grad = m.src_embed.weight.grad[0]
+    assert bool((grad == 0).all()) == frozen
+
+
+def test_loaded_t5_trains_its_pad_row(tmp_path):
+    from _hf_t5 import hf_t5, save_hf
+
+    from qkv.models import from_pretrained
+
+    model = from_pretrained(save_hf(hf_t5("flan-t5"), tmp_path / "t5"))
+    assert model.config.freeze_pad_row is False and model.src_embed.padding_idx is None

@@ -191,6 +191,7 @@ def t5_config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         norm_first=True, final_norm=True, norm_eps=float(hf["layer_norm_epsilon"]),
         dropout=float(hf["dropout_rate"]), attn_dropout=float(hf["dropout_rate"]),
         bias=False, scale_embeddings=False, share_embeddings=True, positions="t5",
+        freeze_pad_row=False,  # HF's T5 embedding has no padding_idx: its decoder starts there
         relative_num_buckets=buckets, relative_max_distance=distance, attention_scale=1.0,
         head_scale=dim ** -0.5 if scaled else 1.0,
         max_len=n_positions if isinstance(n_positions, int) and n_positions > 0 else 512,

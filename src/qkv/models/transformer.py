@@ -113,7 +113,8 @@ class Transformer(PretrainedMixin, nn.Module):
 
     Attributes:
         src_embed, tgt_embed: (V, C) token tables (the same module with
-            ``share_embeddings``); rows of ``pad_id`` start at zero and get no gradient.
+            ``share_embeddings``); rows of ``pad_id`` start at zero and get no gradient
+            (unless ``freeze_pad_row=False``, as T5).
         src_positions, tgt_positions: absolute position modules, or None (relative schemes).
         encoder_bias, decoder_bias: relative bias producers (shared, or a ModuleList with
             one per layer), or None.
@@ -147,15 +148,17 @@ class Transformer(PretrainedMixin, nn.Module):
                             f"got {type(config).__name__}")
         self.config = c = config
         factory = {"device": device, "dtype": dtype}
-        self.src_embed = nn.Embedding(c.src_vocab_size, c.dim, padding_idx=c.pad_id, **factory)
+        pad_row = c.pad_id if c.freeze_pad_row else None
+        self.src_embed = nn.Embedding(c.src_vocab_size, c.dim, padding_idx=pad_row, **factory)
         self.tgt_embed = (self.src_embed if c.share_embeddings else
-                          nn.Embedding(c.tgt_vocab_size, c.dim, padding_idx=c.pad_id,
+                          nn.Embedding(c.tgt_vocab_size, c.dim, padding_idx=pad_row,
                                        **factory))
         for emb in {id(self.src_embed): self.src_embed,
                     id(self.tgt_embed): self.tgt_embed}.values():
             nn.init.normal_(emb.weight, std=c.dim ** -0.5)  # ~unit entries after · sqrt(C)
-            with torch.no_grad():
-                emb.weight[c.pad_id].zero_()
+            if c.freeze_pad_row:
+                with torch.no_grad():
+                    emb.weight[c.pad_id].zero_()
         parts = build_positions(c, **factory)
         self.src_positions, self.tgt_positions = parts.src, parts.tgt
         self.encoder_bias, self.decoder_bias = parts.encoder_bias, parts.decoder_bias

@@ -91,6 +91,9 @@ class TransformerConfig(ModelConfig):
         position_offset: "learned" positions read table row ``position + offset``; the table
             has ``max_len + offset`` rows (BART's offset of 2).
         sinusoidal_layout: "interleaved" (the paper) or "halves" (Marian's [sin | cos]).
+        freeze_pad_row: the ``pad_id`` row of the token tables starts at zero and gets no
+            gradient (``nn.Embedding(padding_idx=)``, as BART / Marian); False: it is trained
+            like any row (T5, whose decoder starts from the pad token).
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
@@ -146,6 +149,7 @@ class TransformerConfig(ModelConfig):
     embed_norm: bool = False
     position_offset: int = 0
     sinusoidal_layout: str = "interleaved"
+    freeze_pad_row: bool = True
 
     def __post_init__(self) -> None:
         for name in ("src_vocab_size", "tgt_vocab_size", "dim", "num_encoder_layers",
@@ -211,7 +215,7 @@ class TransformerConfig(ModelConfig):
         if self.final_norm is None:
             object.__setattr__(self, "final_norm", bool(self.norm_first))
         for name in ("norm_first", "share_embeddings", "tie_output", "scale_embeddings",
-                     "final_norm", "bias", "head_bias", "embed_norm"):
+                     "final_norm", "bias", "head_bias", "embed_norm", "freeze_pad_row"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TransformerConfig: {name} must be a bool, "
                                  f"got {getattr(self, name)!r}")
