@@ -185,10 +185,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..outputs import new_output_dir
     from ..train.checkpoint import load_run, read_run_info
     from ..viz import (
-        attention_html,
         attention_maps,
-        plot_alignment,
-        plot_attention_grid,
         token_labels,
     )
     from . import UserError
@@ -256,28 +253,7 @@ def _run(args: argparse.Namespace) -> int:
     labels = token_labels(maps, input_tokens=src_tokens, target_tokens=tgt_tokens)
     if generated is not None:
         print(f"generated target: {generated}")
-    written = []
-    for name, weights in maps.items():
-        q, k = labels[name]
-        written.append(plot_attention_grid(
-            weights, query_tokens=q, key_tokens=k, path=out / f"attention_{name}.png",
-            title=f"{name} attention: {args.input}", layers=None if layer is None else [layer],
-            heads=None if head is None else [head]))
-    if "cross" in maps:
-        n_layers, n_heads = maps["cross"].shape[:2]
-        at = (-1 if layer is None else layer) % n_layers
-        cross = maps["cross"][at]  # (H, T, S)
-        which = "mean of heads" if head is None else f"head {head % n_heads}"
-        written.append(plot_alignment(
-            cross if head is None else cross[head], source_tokens=src_tokens,
-            target_tokens=tgt_tokens, path=out / "attention_alignment.png",
-            title=f"cross-attention, layer {at}, {which}: {args.input}"))
-    written.append(attention_html(maps, tokens=labels, path=out / "attention.html",
-                                  title=f"qkv attention: {args.input}", layer=layer,
-                                  head=head))
-    for path in written:
-        print(path)
-    return 0
+    return _draw(maps, labels, src_tokens, tgt_tokens, out, args.input, layer, head)
 
 
 # --- HF encoder-decoder directories ----------------------------------------------------
@@ -306,10 +282,7 @@ def _run_seq2seq_directory(args: argparse.Namespace, path: Path, d: Any = None) 
     its ``Seq2SeqDirectory`` when already loaded (a run fine-tuned from one)."""
     from ..outputs import new_output_dir
     from ..viz import (
-        attention_html,
         attention_maps,
-        plot_alignment,
-        plot_attention_grid,
         token_labels,
     )
     from . import UserError
@@ -351,24 +324,7 @@ def _run_seq2seq_directory(args: argparse.Namespace, path: Path, d: Any = None) 
     labels = token_labels(maps, input_tokens=src_tokens, target_tokens=tgt_tokens)
     if generated is not None:
         print(f"generated target: {generated}")
-    written = [plot_attention_grid(
-        weights, query_tokens=labels[name][0], key_tokens=labels[name][1],
-        path=out / f"attention_{name}.png", title=f"{name} attention: {args.input}",
-        layers=None if layer is None else [layer], heads=None if head is None else [head])
-        for name, weights in maps.items()]
-    at = (-1 if layer is None else layer) % n_layers
-    cross = maps["cross"][at]  # (H, T, S)
-    which = "mean of heads" if head is None else f"head {head % n_heads}"
-    written.append(plot_alignment(
-        cross if head is None else cross[head], source_tokens=src_tokens,
-        target_tokens=tgt_tokens, path=out / "attention_alignment.png",
-        title=f"cross-attention, layer {at}, {which}: {args.input}"))
-    written.append(attention_html(maps, tokens=labels, path=out / "attention.html",
-                                  title=f"qkv attention: {args.input}", layer=layer,
-                                  head=head))
-    for p in written:
-        print(p)
-    return 0
+    return _draw(maps, labels, src_tokens, tgt_tokens, out, args.input, layer, head)
 
 
 # --- CLIP runs: attention over image patches --------------------------------------------
@@ -496,6 +452,36 @@ def _run_clip(args: argparse.Namespace, run: Path, model: nn.Module, tok: Any) -
         (out / "attention_text.png").unlink(missing_ok=True)
     written.append(attention_html(maps_html, tokens=labels, path=out / "attention.html",
                                   title=f"qkv attention: {source}", layer=layer, head=head))
+    for path in written:
+        print(path)
+    return 0
+
+
+def _draw(maps: dict, labels: dict, src_tokens: list[str], tgt_tokens: list[str] | None,
+          out: Path, text: str, layer: int | None, head: int | None) -> int:
+    """Write (and print the paths of) one heatmap grid per map of ``maps`` (name -> (L, H,
+    N, M) weights), the cross-attention's alignment plot when there is one (layer ``layer``
+    or the last, head ``head`` or the mean of heads) and the HTML page; exit status 0."""
+    from ..viz import attention_html, plot_alignment, plot_attention_grid
+
+    written = []
+    for name, weights in maps.items():
+        q, k = labels[name]
+        written.append(plot_attention_grid(
+            weights, query_tokens=q, key_tokens=k, path=out / f"attention_{name}.png",
+            title=f"{name} attention: {text}", layers=None if layer is None else [layer],
+            heads=None if head is None else [head]))
+    if "cross" in maps:
+        n_layers, n_heads = maps["cross"].shape[:2]
+        at = (-1 if layer is None else layer) % n_layers
+        cross = maps["cross"][at]  # (H, T, S)
+        which = "mean of heads" if head is None else f"head {head % n_heads}"
+        written.append(plot_alignment(
+            cross if head is None else cross[head], source_tokens=src_tokens,
+            target_tokens=tgt_tokens, path=out / "attention_alignment.png",
+            title=f"cross-attention, layer {at}, {which}: {text}"))
+    written.append(attention_html(maps, tokens=labels, path=out / "attention.html",
+                                  title=f"qkv attention: {text}", layer=layer, head=head))
     for path in written:
         print(path)
     return 0
