@@ -38,7 +38,7 @@ from ..modules.positions import RoPE
 from ..modules.quantized import QuantizedLinear, scale127
 
 __all__ = ["PLAN_DTYPES", "DecodePlan", "LayerPlan", "LinearPlan", "NormPlan", "Unplannable",
-           "apply_norm", "decode_plan", "plan_check"]
+           "apply_norm", "decode_plan", "plan_check", "planned_activation"]
 
 # GPTConfig fields a plan describes (any value); another field with a non-default value
 # (a variant added later) is refused, so the model decodes on the module path
@@ -262,9 +262,7 @@ def decode_plan(model: object, capacity: int | None = None) -> DecodePlan:
     if dtype not in PLAN_DTYPES:
         raise Unplannable(f"{dtype} weights (plans decode fp32, fp64 and bf16; int8 via "
                           f"qkv.quantize)")
-    activation = GATED_ACTIVATIONS.get(c.activation, c.activation)
-    if activation not in ACTIVATION_TABLE:
-        raise Unplannable(f"activation {c.activation!r} is not in the activation table")
+    activation = planned_activation(c.activation)
     layers = tuple(_layer(layer, i, c, model.rope) for i, layer in enumerate(model.layers))
     head = _linear(model.lm_head, "lm_head")
     linears = [lin for lp in layers for lin in (lp.qkv, lp.out, lp.ffn_in, lp.ffn_out)]
@@ -296,3 +294,15 @@ def plan_check(plan: object, dtype: torch.dtype, device: torch.device, *,
     if device != plan.device:
         return f"device {device}, the weights are on {plan.device}"
     return None
+
+
+def planned_activation(name: str) -> str:
+    """The activation a plan applies for a config's ``activation``: a gated FFN's gate
+    activation ("swiglu" -> "silu"), else the name itself.
+
+    Raises:
+        Unplannable: a name the activation table (``qkv.modules.activations``) lacks."""
+    activation = GATED_ACTIVATIONS.get(name, name)
+    if activation not in ACTIVATION_TABLE:
+        raise Unplannable(f"activation {name!r} is not in the activation table")
+    return activation

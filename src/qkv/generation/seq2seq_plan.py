@@ -37,7 +37,6 @@ from torch import Tensor, nn
 
 from ..models.transformer import Transformer, TransformerConfig
 from ..models.transformer_config import embedding_scale
-from ..modules.activations import ACTIVATION_TABLE
 from ..modules.attention import MultiHeadAttention
 from ..modules.feedforward import GATED_ACTIVATIONS, FeedForward, SwiGLU
 from ..modules.layers import DecoderLayer, EncoderLayer
@@ -46,7 +45,7 @@ from ..modules.norms import LayerNorm, RMSNorm
 from ..modules.positions import Learned, Sinusoidal
 from ..modules.quantized import QuantizedLinear, scale127
 from ..modules.relative import ALiBi, T5Bias
-from .plan import LayerPlan, LinearPlan, NormPlan, Unplannable
+from .plan import LayerPlan, LinearPlan, NormPlan, Unplannable, planned_activation
 
 __all__ = ["SEQ2SEQ_DTYPES", "EncoderPlan", "Seq2SeqLayerPlan", "Seq2SeqPlan", "seq2seq_plan"]
 
@@ -379,9 +378,7 @@ def seq2seq_plan(model: object) -> Seq2SeqPlan:
     if dtype not in SEQ2SEQ_DTYPES:
         raise Unplannable(f"{dtype} weights (the encoder-decoder plan decodes fp32 and fp64; "
                           f"int8 via qkv.quantize)")
-    activation = GATED_ACTIVATIONS.get(c.activation, c.activation)
-    if activation not in ACTIVATION_TABLE:
-        raise Unplannable(f"activation {c.activation!r} is not in the activation table")
+    activation = planned_activation(c.activation)
     first = model.decoder_layers[0].self_attn
     heads, head_dim = first.num_heads, first.head_dim
     scale = 1.0 / math.sqrt(head_dim) if first.scale is None else first.scale
