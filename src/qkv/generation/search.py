@@ -18,8 +18,8 @@ from torch import Tensor
 
 from .processors import LogitsProcessors
 
-__all__ = ["ARGMAX_BLOCK", "ARGMAX_MIN_ROWS", "argmax_rows", "beam_search", "filter_logits",
-           "greedy_or_sample"]
+__all__ = ["ARGMAX_BLOCK", "ARGMAX_MIN_ROWS", "LSE_MIN_VOCAB", "LSE_ROWS", "argmax_rows",
+           "beam_search", "filter_logits", "greedy_or_sample", "logsumexp_rows", "top_rows"]
 
 _NEG = -1.0e9  # HF's "impossible" score: added, never a fill (sums stay comparable)
 
@@ -68,6 +68,78 @@ ARGMAX_BLOCK = 128
 """Columns per block in ``argmax_rows``' first level (64-512 measured within noise)."""
 ARGMAX_MIN_ROWS = 4
 """Fewest rows for which ``argmax_rows`` takes the two-level path."""
+
+
+def top_rows(logits: Tensor, m: int) -> tuple[Tensor, Tensor]:
+    """The ``m`` largest values of each row of logits (R, V) and their columns, each (R, m),
+    as ``logits.topk(m, dim=-1)`` (values in descending order; which of equal values is
+    taken may differ, as it may between topk's own kernels).
+
+    On CPU, from ``2 · m`` whole blocks of ``ARGMAX_BLOCK`` columns on, in two levels: the
+    maximum of each whole block (``amax``, vectorised), the ``m`` blocks with the largest
+    maxima, then ``topk`` over their m · ``ARGMAX_BLOCK`` columns and the columns past the
+    last whole block. Exact: a block holding one of the row's m largest values has a maximum
+    at least the m-th largest, so at most m blocks (ties aside) hold them all. torch's
+    ``topk`` over a long row is several times slower (BENCHMARKS.md, "Translation with T5 /
+    Marian checkpoints (issue 24)")."""
+    rows, vocab = logits.shape
+    blocks = vocab // ARGMAX_BLOCK
+    if blocks < 2 * m or logits.device.type != "cpu" or not logits.dtype.is_floating_point:
+        return logits.topk(m, dim=-1)
+    whole = blocks * ARGMAX_BLOCK
+    tiles = logits[:, :whole].unflatten(1, (blocks, ARGMAX_BLOCK))  # (R, V // 128, 128)
+    chosen = tiles.amax(dim=-1).topk(m, dim=-1).indices  # (R, m) blocks
+    cols = (chosen[:, :, None] * ARGMAX_BLOCK
+            + torch.arange(ARGMAX_BLOCK, device=logits.device)).flatten(1)  # (R, m·128)
+    tail = torch.arange(whole, vocab, device=logits.device).expand(rows, vocab - whole)
+    cols = torch.cat((cols, tail), dim=1)  # (R, m·128 + V % 128), no column twice
+    values, at = logits.gather(1, cols).topk(m, dim=-1)
+    return values, cols.gather(1, at)
+
+
+def logsumexp_rows(logits: Tensor, row_max: Tensor) -> Tensor:
+    """``torch.logsumexp(logits, dim=-1, keepdim=True)`` for logits (R, V) whose row maxima
+    row_max (R, 1) are known -> (R, 1): row_max + log(sum(exp(logits - row_max))), an
+    infinite maximum counting as 0 (as torch does).
+
+    On CPU from ``LSE_MIN_VOCAB`` columns on, ``LSE_ROWS`` rows at a time through one small
+    buffer that stays in cache: torch's one-call ``logsumexp`` over (64, 65001) writes and
+    reads its intermediates through memory and takes about three times as long
+    (BENCHMARKS.md, "Translation with T5 / Marian checkpoints (issue 24)"). The same sums,
+    row by row, as one call over the whole tensor (|diff| ≤ 1e-6 against fp64 at V = 65001)."""
+    rows, vocab = logits.shape
+    shift = torch.where(row_max.isinf(), torch.zeros_like(row_max), row_max)  # (R, 1)
+    if vocab < LSE_MIN_VOCAB or logits.device.type != "cpu":
+        return torch.logsumexp(logits - shift, dim=-1, keepdim=True) + shift
+    buf = logits.new_empty(min(LSE_ROWS, rows), vocab)
+    sums = logits.new_empty(rows, 1)
+    for i in range(0, rows, LSE_ROWS):
+        part = buf[:min(LSE_ROWS, rows - i)]
+        torch.sub(logits[i:i + LSE_ROWS], shift[i:i + LSE_ROWS], out=part).exp_()
+        torch.sum(part, dim=-1, keepdim=True, out=sums[i:i + LSE_ROWS])
+    return sums.log_().add_(shift)
+
+
+LSE_ROWS = 2
+"""Rows per pass in ``logsumexp_rows`` (2 measured fastest of 1, 2, 4, 8, 16 at V = 65001)."""
+LSE_MIN_VOCAB = 4096
+"""Fewest columns for which ``logsumexp_rows`` works through its buffer."""
+
+
+def _top_continuations(logits: Tensor, run_scores: Tensor, m: int
+                       ) -> tuple[Tensor, Tensor, Tensor]:
+    """Beam search's step without processors: of the K·V continuations of each batch item,
+    the m with the largest summed log-probability ``run_scores + log_softmax(logits)``, by
+    the top m of each beam's raw logits (R, V) and each row's logsumexp (the m best of an
+    item are among the m best of their beams; log_softmax keeps a row's order), never the
+    full (B, K·V) sums. run_scores (B, K) -> scores, source beams, tokens, each (B, m)."""
+    batch, k = run_scores.shape
+    logits = logits.float()
+    values, tokens = top_rows(logits, m)  # (R, m)
+    logp = values - logsumexp_rows(logits, values[:, :1])  # (R, m)
+    sums = (logp.view(batch, k, m) + run_scores[:, :, None]).view(batch, k * m)
+    scores, pick = sums.topk(m, dim=-1)  # (B, m)
+    return scores, pick // m, tokens.view(batch, k * m).gather(1, pick)
 
 
 def filter_logits(logits: Tensor, *, temperature: float, top_k: int | None,
@@ -204,16 +276,18 @@ def beam_search(stepper: Stepper, batch: int, beams: int, max_new_tokens: int, *
     never = early_stopping == "never" and length_penalty > 0.0
     logits = stepper.prefill()
     for t in range(max_new_tokens):
-        vocab = logits.shape[-1]
-        logp = torch.log_softmax(logits.float(), dim=-1)  # (R, V)
-        if processors is not None:
+        if processors is None:
+            top_scores, src_beam, tokens = _top_continuations(logits, run_scores, keep_m)
+        else:
+            vocab = logits.shape[-1]
+            logp = torch.log_softmax(logits.float(), dim=-1)  # (R, V)
             so_far = (torch.cat((prefix, running.view(rows, max_new_tokens)[:, :t]), dim=1)
                       if history else None)  # (R, P + t)
             logp = processors.normalize(processors.apply(so_far, width + t, logp))
-        logp = (logp.view(batch, k, vocab) + run_scores[:, :, None]).view(batch, k * vocab)
-        top_scores, top_idx = logp.topk(keep_m, dim=-1)  # (B, M)
-        src_beam = top_idx // vocab
-        tokens = top_idx % vocab
+            logp = (logp.view(batch, k, vocab) + run_scores[:, :, None]).view(batch, k * vocab)
+            top_scores, top_idx = logp.topk(keep_m, dim=-1)  # (B, M)
+            src_beam = top_idx // vocab
+            tokens = top_idx % vocab
         cand = _gather(running, src_beam)  # (B, M, T)
         cand[:, :, t] = tokens
         if t + 1 == max_new_tokens:
