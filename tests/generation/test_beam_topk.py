@@ -8,8 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qkv.generation.search import (ARGMAX_BLOCK, LSE_MIN_VOCAB, _top_continuations,
-                                   logsumexp_rows, top_rows)
+from qkv.generation.search import (
+    ARGMAX_BLOCK,
+    LSE_MIN_VOCAB,
+    _top_continuations,
+    logsumexp_rows,
+    top_rows,
+)
 
 VOCABS = [97, 16 * ARGMAX_BLOCK, 16 * ARGMAX_BLOCK + 45, 32128, 65001]
 
