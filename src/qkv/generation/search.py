@@ -32,6 +32,13 @@ class Stepper(Protocol):
     def reorder(self, idx: Tensor) -> None: ...
 
 
+def _block_maxima(logits: Tensor, blocks: int) -> Tensor:
+    """The maximum of each of the first ``blocks`` whole blocks of ``ARGMAX_BLOCK`` columns
+    of logits (R, V) -> (R, blocks): the first level of ``argmax_rows`` and ``top_rows``."""
+    whole = logits[:, :blocks * ARGMAX_BLOCK]
+    return whole.unflatten(1, (blocks, ARGMAX_BLOCK)).amax(dim=-1)  # (R, blocks)
+
+
 def argmax_rows(logits: Tensor) -> Tensor:
     """``logits.argmax(dim=-1)`` for logits (R, V) -> (R,) int64: the first index of each
     row's largest value (NaN counts as the largest, as in ``argmax``).
@@ -50,8 +57,7 @@ def argmax_rows(logits: Tensor) -> Tensor:
             or not logits.dtype.is_floating_point):
         return logits.argmax(dim=-1)
     whole = blocks * ARGMAX_BLOCK
-    tiles = logits[:, :whole].unflatten(1, (blocks, ARGMAX_BLOCK))  # (R, V // 128, 128)
-    best = tiles.amax(dim=-1)  # (R, V // 128)
+    best = _block_maxima(logits, blocks)  # (R, V // 128)
     tail = logits[:, whole:]  # (R, V % 128) columns past the last whole block
     if tail.shape[1]:
         best = torch.cat([best, tail.amax(dim=-1, keepdim=True)], dim=1)  # (R, V // 128 + 1)
@@ -87,8 +93,7 @@ def top_rows(logits: Tensor, m: int) -> tuple[Tensor, Tensor]:
     if blocks < 2 * m or logits.device.type != "cpu" or not logits.dtype.is_floating_point:
         return logits.topk(m, dim=-1)
     whole = blocks * ARGMAX_BLOCK
-    tiles = logits[:, :whole].unflatten(1, (blocks, ARGMAX_BLOCK))  # (R, V // 128, 128)
-    chosen = tiles.amax(dim=-1).topk(m, dim=-1).indices  # (R, m) blocks
+    chosen = _block_maxima(logits, blocks).topk(m, dim=-1).indices  # (R, m) blocks
     cols = (chosen[:, :, None] * ARGMAX_BLOCK
             + torch.arange(ARGMAX_BLOCK, device=logits.device)).flatten(1)  # (R, m·128)
     tail = torch.arange(whole, vocab, device=logits.device).expand(rows, vocab - whole)
@@ -110,7 +115,7 @@ def logsumexp_rows(logits: Tensor, row_max: Tensor) -> Tensor:
     rows, vocab = logits.shape
     shift = torch.where(row_max.isinf(), torch.zeros_like(row_max), row_max)  # (R, 1)
     if vocab < LSE_MIN_VOCAB or logits.device.type != "cpu":
-        return torch.logsumexp(logits - shift, dim=-1, keepdim=True) + shift
+        return torch.logsumexp(logits, dim=-1, keepdim=True)
     buf = logits.new_empty(min(LSE_ROWS, rows), vocab)
     sums = logits.new_empty(rows, 1)
     for i in range(0, rows, LSE_ROWS):
