@@ -3,20 +3,31 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
+# every other package at an exact version (the header of constraints.txt says why)
+CONSTRAINTS := constraints.txt
+PIN = $(shell grep -E '^$(1)==' $(CONSTRAINTS))
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast demo lint bench clean browser
+.PHONY: test test-fast test-latest demo lint bench-deps clean browser
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-# Install the CPU torch wheel first (a plain `torch` requirement would pull a CUDA build);
-# pyproject.toml keeps the honest `torch>=2.6` for users elsewhere.
-$(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(TORCH_PIN)
-	$(BIN)/python -m pip install -q -e ".[dev]"
+# Install the CPU torch wheel first (a plain `torch` requirement would pull a CUDA build),
+# its dependencies at their pinned versions; pyproject.toml keeps the honest `torch>=2.6`
+# for users elsewhere. The package is built with the pinned setuptools (no build isolation:
+# an isolated build would take the newest setuptools).
+$(STAMP): $(BIN)/python pyproject.toml $(CONSTRAINTS)
+	$(BIN)/python -m pip install -q $(call PIN,pip)
+	$(BIN)/python -c "import torch" 2>/dev/null || \
+	  $(BIN)/python -m pip install -q -c $(CONSTRAINTS) $(TORCH_PIN)
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) setuptools wheel
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) --no-build-isolation -e ".[dev]"
 	touch $(STAMP)
+
+# benchmark-only comparisons (ctranslate2), pinned like the rest
+bench-deps: $(STAMP)
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) --no-build-isolation -e ".[dev,bench]"
 
 # tests/viz/test_viz_browser.py opens the attention page in Debian's chromium (playwright's
 # own browser downloads are not used). Installed here when missing and we are root with
@@ -37,6 +48,23 @@ test: $(STAMP) browser
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
+# Not in CI: drift seen on purpose. A fresh venv with the newest releases of the test
+# oracles (transformers, tokenizers, peft, sentencepiece and what they pull in; torch stays
+# the pinned CPU wheel), running the tests that compare against them (marker `oracle`,
+# tests/conftest.py); the header of the run names each oracle's version beside its pin.
+LATEST := .venv-latest
+ORACLES := transformers tokenizers peft sentencepiece protobuf huggingface_hub accelerate \
+	safetensors
+test-latest: browser
+	rm -rf $(LATEST)
+	$(PY) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade pip
+	$(LATEST)/bin/python -m pip install -q $(TORCH_PIN)
+	$(LATEST)/bin/python -m pip install -q -e ".[dev]"
+	$(LATEST)/bin/python -m pip install -q --upgrade $(ORACLES)
+	$(LATEST)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m oracle \
+	  -p no:cacheprovider
+
 test-fast: $(STAMP) browser
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow"
 
@@ -47,4 +75,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(LATEST) build *.egg-info src/*.egg-info

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import os
+import re
 import signal
 import subprocess
 import zlib
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,13 +111,78 @@ LONG_FIRST = (
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Under xdist: the files of ``LONG_FIRST`` first, in its order (a stable sort: every
-    file's tests stay together and in their order). Every worker sorts its collection alike,
-    as xdist requires; a run without xdist keeps the usual order."""
+    """Marks the tests of the files that compare against an outside oracle ``oracle``
+    (``uses_oracle``). Under xdist: the files of ``LONG_FIRST`` first, in its order (a stable
+    sort: every file's tests stay together and in their order). Every worker sorts its
+    collection alike, as xdist requires; a run without xdist keeps the usual order."""
+    for item in items:
+        if uses_oracle(Path(str(item.fspath))):
+            item.add_marker(pytest.mark.oracle)
     if not hasattr(config, "workerinput"):
         return
     rank = {path: i for i, path in enumerate(LONG_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
+# ------------------------------------------------------------------------- oracles
+
+#: The outside libraries the tests compare qkv against (test-only, or runtime ones whose
+#: behaviour a test pins: sentencepiece, tokenizers). Their versions are pinned in
+#: constraints.txt; ``make test-latest`` runs the tests marked ``oracle`` on their newest
+#: releases.
+ORACLES = ("transformers", "peft", "sentencepiece", "tokenizers", "ctranslate2")
+_NAMES = "|".join(ORACLES)
+_ORACLE_IMPORT = re.compile(
+    rf"^[ \t]*(?:from|import)[ \t]+(?:{_NAMES})\b|importorskip\([ \t]*[\"'](?:{_NAMES})\b",
+    re.M)
+_HELPER_IMPORT = re.compile(r"^[ \t]*(?:from|import)[ \t]+(_\w+)", re.M)
+TESTS_DIR = Path(__file__).parent
+#: Files that reach an oracle another way: the benchmark scripts they run (--quick) time
+#: qkv against transformers and ctranslate2.
+ORACLE_FILES = frozenset({TESTS_DIR / "test_benchmarks.py"})
+
+
+@functools.cache
+def uses_oracle(path: Path) -> bool:
+    """Whether the test file ``path`` imports an oracle of ``ORACLES``, itself or through
+    a helper module of the tests (``_name.py`` beside it or in tests/) it imports."""
+    if path in ORACLE_FILES:
+        return True
+    if path.suffix != ".py" or not path.is_file():
+        return False
+    text = path.read_text(encoding="utf-8")
+    if _ORACLE_IMPORT.search(text):
+        return True
+    for name in _HELPER_IMPORT.findall(text):
+        for helper in (path.with_name(f"{name}.py"), TESTS_DIR / f"{name}.py"):
+            if helper != path and uses_oracle(helper):
+                return True
+    return False
+
+
+def _pins() -> dict[str, str]:
+    pins = {}
+    for line in (TESTS_DIR.parent / "constraints.txt").read_text().splitlines():
+        name, sep, version = line.partition("==")
+        if sep and not line.startswith("#"):
+            pins[name.strip().lower()] = version.strip()
+    return pins
+
+
+def pytest_report_header(config) -> list[str]:
+    """The oracles' versions, and each one's pin where the two differ (make test-latest)."""
+    from importlib import metadata
+
+    pins, parts = _pins(), []
+    for name in ORACLES:
+        try:
+            version = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            version = "not installed"
+        pinned = pins.get(name)
+        parts.append(f"{name} {version}" + ("" if pinned in (None, version)
+                                             else f" (pinned {pinned})"))
+    return ["oracles: " + ", ".join(parts)]
 
 
 # --------------------------------------------------------------------------- hangs

@@ -279,7 +279,32 @@ def test_t5_variants_match_transformers(dirs, name: str) -> None:
         assert any(ours.unk_id in e for e in encodings)
     if name == "t5_user":  # <sep> (user-defined) is kept, <cls> and <s> (control) dropped
         ids = ours.encode("a<sep>b <cls> c<s>d")
-        assert ours.decode(ids) == "a<sep> b c d" and ours.vocab_size == 310
+        assert ours.decode(ids) == "a<sep>b c d" and ours.vocab_size == 310
+
+
+#: Texts with the t5_user model's user-defined piece <sep> at a word's start, middle and end,
+#: alone, twice, and beside whitespace runs (no added token of the model in them).
+USER_PIECE_TEXTS = ["a<sep>b", "x <sep>y", "x<sep> y", "<sep>", "<sep><sep>", " <sep>  der ",
+                    "The fox<sep>jumps over<sep> the dog", "我喜欢<sep>中文"]
+
+
+def test_t5_user_defined_pieces_are_sentencepieces_own(dirs) -> None:
+    """A user-defined piece is matched by SentencePiece inside the text, with no "▁" after it
+    (``a<sep>b`` is ``▁a <sep> b``): the oracle is sentencepiece itself on spiece.model, the
+    model's own definition. transformers >= 5.25 (the pinned version, whose Unigram model
+    converted from spiece.model keeps <sep> as a piece) gives the same ids; transformers 5.24
+    and before split <sep> out as an added token and began the rest with "▁" (``a<sep>b``:
+    ``▁a <sep> ▁ b``), unlike sentencepiece: qkv follows sentencepiece."""
+    ours, hf = _pair(dirs, "t5_user")
+    proc = spm.SentencePieceProcessor(model_file=str(dirs["t5_user"] / "spiece.model"))
+    sep = proc.piece_to_id("<sep>")
+    for text in USER_PIECE_TEXTS:
+        want = [*proc.encode(text), ours.eos_id]  # (no byte fallback: an unknown is unk)
+        assert ours.encode(text) == want, text
+        assert sep in want, text
+    assert ours.encode("a<sep>b")[:3] == [proc.piece_to_id("▁a"), sep, proc.piece_to_id("b")]
+    assert [ours.encode(t) for t in USER_PIECE_TEXTS] == [hf(t)["input_ids"]
+                                                         for t in USER_PIECE_TEXTS]
 
 
 @pytest.mark.parametrize("name", ["t5_json", "bart", "bart_bare"])

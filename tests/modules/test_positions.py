@@ -9,7 +9,6 @@ comparison.
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import numpy as np
@@ -258,11 +257,12 @@ def test_rope_half_split_is_hf_rotate_half_convention():
 
 
 def test_rope_half_split_matches_transformers():
-    # transformers' own apply_rotary_pos_emb with the cos/sin built above; fp64, atol 1e-12.
-    # transformers is a dev dependency: plain import (missing or too old must fail, not skip)
+    # transformers' own apply_rotary_pos_emb with the cos/sin built above, called as Llama's
+    # attention calls it (q, k, cos, sin: cos/sin (B, N, D) broadcast over the heads); the
+    # outputs are compared, not its signature. fp64, atol 1e-12. transformers is a dev
+    # dependency: plain import (missing must fail, not skip).
     from transformers.models.llama import modeling_llama as llama
 
-    assert "unsqueeze_dim" in inspect.signature(llama.apply_rotary_pos_emb).parameters
     d = 32
     rope = RoPE(d)
     q = torch.randn(2, 4, 9, d, generator=gen(11), dtype=torch.float64)

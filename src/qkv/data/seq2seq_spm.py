@@ -30,7 +30,6 @@ _VOCAB, _TARGET_VOCAB = "vocab.json", "target_vocab.json"
 #: Below this share of an .spm's pieces in vocab.json, the vocabulary is another model's.
 _MIN_COVERAGE = 0.5
 _SPIECE_UNDERLINE = "▁"
-_USER_DEFINED = 4  # SentencePiece's piece type of a user-defined symbol
 
 
 def _load_spm(path: Path):
@@ -47,42 +46,6 @@ def _load_spm(path: Path):
     except (OSError, RuntimeError) as exc:
         raise CheckpointError(f"{path}: not a SentencePiece model "
                               f"({str(exc).splitlines()[0]})") from None
-
-
-def _piece_types(spm) -> list[int]:
-    """The type of each piece of a SentencePiece model (1 normal, 2 unknown, 3 control,
-    4 user-defined, 5 unused, 6 byte), read from its serialized ModelProto (field 1, the
-    pieces; in each, field 3 the type) without the protobuf package."""
-    def varint(data: bytes, at: int) -> tuple[int, int]:
-        value = shift = 0
-        while True:
-            byte = data[at]
-            value |= (byte & 0x7F) << shift
-            at, shift = at + 1, shift + 7
-            if byte < 0x80:
-                return value, at
-
-    def fields(data: bytes):
-        at = 0
-        while at < len(data):
-            tag, at = varint(data, at)
-            wire = tag & 7
-            if wire == 0:
-                value, at = varint(data, at)
-            elif wire == 2:
-                size, at = varint(data, at)
-                value, at = data[at:at + size], at + size
-            elif wire in (1, 5):
-                value, at = None, at + (8 if wire == 1 else 4)
-            else:
-                raise CheckpointError(f"a SentencePiece model with protobuf wire type {wire}")
-            yield tag >> 3, value
-
-    types = []
-    for field, piece in fields(spm.serialized_model_proto()):
-        if field == 1:
-            types.append(next((v for f, v in fields(piece) if f == 3), 1))
-    return types
 
 
 def _refuse_added_tokens(directory: Path) -> None:
@@ -249,17 +212,16 @@ class T5SpmTokenizer(Seq2SeqTokenizer):
         spm: the ``sentencepiece.SentencePieceProcessor`` of spiece.model.
         extra_ids: the number of sentinels; ``<extra_id_k>`` is id
             ``pieces + extra_ids - 1 - k``.
-        specials: the added special tokens, text -> id (dropped by ``decode``).
-        plain: added tokens that are not special (the model's user-defined pieces), text
-            -> id: matched in a text, kept by ``decode``.
+        specials: the added special tokens, text -> id (dropped by ``decode``). The
+            model's user-defined pieces are not among them: SentencePiece matches those
+            inside the text itself (``_encode``).
     """
 
     kind = "t5"
     model_file = _SPIECE
 
     def __init__(self, directory: Path, files, *, spm, extra_ids: int,
-                 specials: dict[str, int], plain: dict[str, int], named: dict[str, str],
-                 cleanup: bool) -> None:
+                 specials: dict[str, int], named: dict[str, str], cleanup: bool) -> None:
         self.spm, self.pieces = spm, spm.get_piece_size()
         super().__init__(directory, files, vocab_file=_SPIECE,
                          eos_id=specials[named["eos_token"]],
@@ -269,9 +231,8 @@ class T5SpmTokenizer(Seq2SeqTokenizer):
                          vocab_size=self.pieces + extra_ids, cleanup=cleanup)
         self.extra_ids = extra_ids
         self.specials, self.special_ids = specials, set(specials.values())
-        self._added = {**plain, **specials}
         self._sentinels = {i: t for t, i in _sentinel_ids(self.pieces, extra_ids).items()}
-        self._pattern = added_token_pattern(list(self._added))
+        self._pattern = added_token_pattern(list(specials))
         byte_ids = (spm.piece_to_id(f"<0x{b:02X}>") for b in range(256))
         self._byte_ids = {i for i in byte_ids if spm.is_byte(i)}
 
@@ -280,9 +241,10 @@ class T5SpmTokenizer(Seq2SeqTokenizer):
         """The T5 tokenizer of ``directory`` (``config``: its tokenizer_config.json).
         The added tokens, as transformers: the named special tokens, and either the listed
         ``additional_special_tokens`` (the sentinels added when none is listed) or, with no
-        list, the sentinels and the model's control pieces (special) and user-defined
-        pieces (not special). With a list, a text spelling one of the model's other control
-        pieces is not split as transformers' Unigram model would split it.
+        list, the sentinels and the model's control pieces. With a list, a text spelling
+        one of the model's other control pieces is not split as transformers' Unigram model
+        would split it. The model's user-defined pieces are no added tokens: SentencePiece
+        matches them in the text (``_encode``).
 
         Raises:
             CheckpointError: a missing or unreadable spiece.model, a bad ``extra_ids``, a
@@ -307,12 +269,8 @@ class T5SpmTokenizer(Seq2SeqTokenizer):
             return tid
 
         specials = {t: piece_id(t) for t in named.values()}
-        plain: dict[str, int] = {}
         if extra is None:
-            types = _piece_types(spm)
             specials.update((spm.id_to_piece(i), i) for i in range(n) if spm.is_control(i))
-            plain = {spm.id_to_piece(i): i for i, kind in enumerate(types)
-                     if kind == _USER_DEFINED}
             specials.update(sentinels)
         else:
             listed = [t for t in extra if t.startswith("<extra_id_")]
@@ -326,13 +284,19 @@ class T5SpmTokenizer(Seq2SeqTokenizer):
         files = [nm for nm in (_SPIECE, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP)
                  if (directory / nm).is_file()]
         return cls(directory, files, spm=spm, extra_ids=extra_ids, specials=specials,
-                   plain=plain, named=named, cleanup=read_cleanup(directory, config))
+                   named=named, cleanup=read_cleanup(directory, config))
 
     def _encode(self, text: str, *, target: bool) -> list[int]:
+        """The text split at the added (special) tokens, each other part through
+        SentencePiece, which matches the model's user-defined pieces inside it with no
+        "▁" after one (``a<sep>b`` is ``▁a <sep> b``), as SentencePiece itself and the
+        ``tokenizers`` Unigram model transformers (>= 5.25) converts spiece.model to do;
+        transformers 5.24 and before split them out as added tokens and began the rest
+        with a "▁"."""
         ids: list[int] = []
         for piece, added in split_at_added(self._pattern, text):
             if added:
-                ids.append(self._added[piece])
+                ids.append(self.specials[piece])
                 continue
             after_byte = False
             for i in self.spm.encode(piece):
