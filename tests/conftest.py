@@ -116,7 +116,8 @@ def pytest_collection_modifyitems(config, items) -> None:
     sort: every file's tests stay together and in their order). Every worker sorts its
     collection alike, as xdist requires; a run without xdist keeps the usual order."""
     for item in items:
-        if uses_oracle(Path(str(item.fspath))):
+        path = getattr(item, "path", None)
+        if path is not None and uses_oracle(Path(path)):
             item.add_marker(pytest.mark.oracle)
     if not hasattr(config, "workerinput"):
         return

@@ -32,8 +32,8 @@ from qkv.cli import main
 from qkv.data.seq2seq_tokenizer import load_seq2seq_tokenizer
 from qkv.demos.tiny_marian import make_tiny_marian
 from qkv.generation import translate
-from qkv.generation.settings import read_generation_settings
 from qkv.models import from_pretrained
+from qkv.models.generation_settings import read_generation_settings
 
 transformers = pytest.importorskip("transformers")
 
@@ -89,7 +89,10 @@ def test_the_directory_settings_are_the_defaults(tiny):
     assert translate(model, tok, TEXTS, settings=tiny) == want
     assert translate(model, tok, TEXTS, settings=read_generation_settings(tiny),
                      batch_size=2) == want  # batches of 2: the same outputs
-    assert translate(model, tok, TEXTS) != want  # without them: greedy, up to 63 tokens
+    # the model from_pretrained loaded carries them: they are translate's default too
+    assert model.generation_settings == read_generation_settings(tiny)
+    assert translate(model, tok, TEXTS) == want
+    assert translate(model, tok, TEXTS, settings=None) != want  # greedy, up to 63 tokens
 
 
 @pytest.mark.parametrize("options", [
@@ -126,7 +129,7 @@ def test_pad_is_never_generated(tiny, tmp_path):
     assert translate(model, tok, TEXTS, settings=path) == want
     unbanned = read_generation_settings(path).generate_kwargs(encoder_decoder=True)
     del unbanned["bad_words_ids"]
-    assert translate(model, tok, TEXTS, **unbanned) != want
+    assert translate(model, tok, TEXTS, settings=None, **unbanned) != want
 
 
 def _cli(capsys, *argv) -> tuple[int, str, str]:

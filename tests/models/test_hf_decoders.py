@@ -62,7 +62,8 @@ def test_greedy_matches_hf_generate(loaded, name):
     with torch.no_grad():
         theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False,
                              eos_token_id=None, pad_token_id=0)[:, ids.shape[1]:]
-    mine = qkv.generate(ours, ids, attention_mask=mask, max_new_tokens=32)[:, ids.shape[1]:]
+    mine = qkv.generate(ours, ids, attention_mask=mask, max_new_tokens=32, eos_token_id=None,
+                        pad_token_id=0)[:, ids.shape[1]:]  # the same arguments as HF's
     assert torch.equal(mine, theirs)
 
 

@@ -55,6 +55,7 @@ def test_bart_marian_generation_config_equals_hf(name, tmp_path):
     c = ours.config
     _write(directory, SETTINGS[name], {"decoder_start_token_id": c.bos_id,
                                        "eos_token_id": c.eos_id, "pad_token_id": c.pad_id})
+    ours = from_pretrained(directory)  # it carries the file written now
     hf = reload_hf(family, directory)
     src, mask = _sources(ours)
     kwargs = read_generation_settings(directory).generate_kwargs(encoder_decoder=True)
@@ -64,7 +65,8 @@ def test_bart_marian_generation_config_equals_hf(name, tmp_path):
     assert got.tolist() == ref.tolist()
     plain = {k: kwargs[k] for k in ("max_new_tokens", "decoder_start_token_id",
                                     "eos_token_id", "pad_token_id") if k in kwargs}
-    assert got.tolist() != qkv.generate(ours, src, attention_mask=mask, **plain).tolist(), \
+    assert got.tolist() != qkv.generate(ours, src, attention_mask=mask, settings=None,
+                                        **plain).tolist(), \
         "the settings must change these outputs, or the test shows nothing"
     new = got[:, 1:]
     if "bad_words_ids" in SETTINGS[name]:  # pad only fills rows after their eos
@@ -84,6 +86,7 @@ def test_t5_generation_config_equals_hf(tmp_path):
                        "max_length": 9},
            {"decoder_start_token_id": c.bos_id, "eos_token_id": c.eos_id,
             "pad_token_id": c.pad_id})
+    ours = from_pretrained(directory)  # it carries the file written now
     src, mask = padded_sources()
     mask = mask.bool()
     kwargs = read_generation_settings(directory).generate_kwargs(encoder_decoder=True)
@@ -105,4 +108,5 @@ def test_t5_generation_config_equals_hf(tmp_path):
     assert got.tolist() == ref.tolist()
     plain = {k: kwargs[k] for k in ("max_new_tokens", "decoder_start_token_id",
                                     "eos_token_id", "pad_token_id") if k in kwargs}
-    assert got.tolist() != qkv.generate(ours, src, attention_mask=mask, **plain).tolist()
+    assert got.tolist() != qkv.generate(ours, src, attention_mask=mask, settings=None,
+                                        **plain).tolist()

@@ -227,7 +227,7 @@ def _run(args: argparse.Namespace) -> int:
 
     if isinstance(model, Transformer) and callable(getattr(tok, "encode_target", None)):
         # fine-tuned from an HF encoder-decoder directory: its tokenizer frames the input
-        from ..generation.settings import GenerationSettings
+        from ..models.generation_settings import GenerationSettings
         from .seq2seq_directory import Seq2SeqDirectory
 
         return _run_seq2seq_directory(args, run, Seq2SeqDirectory(run, model, tok,

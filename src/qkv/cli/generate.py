@@ -97,9 +97,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                            "own conversation)")
     g.add_argument("--system", default=None, metavar="TEXT",
                    help="with --chat: a system message before each question")
-    _decoding_options(g)
-    g.add_argument("--sample", action="store_true",
-                   help="sample from the model's distribution instead of the argmax")
+    _decoding_options(g, settings=True)
+    how = g.add_mutually_exclusive_group()
+    how.add_argument("--sample", action="store_true", default=None,
+                     help="sample from the model's distribution instead of the argmax "
+                          "(default: a model directory's generation settings, else off)")
+    how.add_argument("--greedy", dest="sample", action="store_false",
+                     help="take the argmax (or search with --beams) even where a model "
+                          "directory's generation settings sample")
     g.add_argument("--temperature", type=float_in(0, low_open=True), default=None,
                    help="sampling temperature > 0 (default 1.0; needs --sample)")
     g.add_argument("--top-k", type=int_in(1), default=None,
@@ -254,19 +259,15 @@ def _load(run: str, want: str, int8: bool = False) -> tuple[Any, Any, dict]:
 def _run_generate(args: argparse.Namespace) -> int:
     from . import UserError
 
-    sampling = [f for f, v in (("--temperature", args.temperature), ("--top-k", args.top_k),
-                               ("--top-p", args.top_p)) if v is not None]
-    if sampling and not args.sample:
-        settings = (sampling[0] if len(sampling) == 1
-                    else f"{', '.join(sampling[:-1])} and {sampling[-1]}")
-        raise UserError(f"{settings} {'applies' if len(sampling) == 1 else 'apply'} only "
-                        f"with --sample")
-    if args.sample and args.beams > 1:
+    if args.sample and (args.beams or 1) > 1:
         raise UserError("--sample and --beams > 1 cannot be combined")
     if args.system is not None and args.chat is None:
         raise UserError("--system applies only with --chat")
     if _is_model_directory(Path(args.run)):
+        if args.sample is False:  # --greedy; without either, the settings may sample
+            _check_sampling_options(args, False)
         return _generate_model_directory(args)
+    _check_sampling_options(args, bool(args.sample))
     if args.chat is not None:
         raise UserError(f"--chat needs a model directory with a chat template (a HuggingFace "
                         f"tokenizer.json and its chat template); {args.run} is a `qkv train` "
@@ -274,15 +275,30 @@ def _run_generate(args: argparse.Namespace) -> int:
     return _generate_run(args)
 
 
+def _check_sampling_options(args: argparse.Namespace, sampling: bool) -> None:
+    """--temperature / --top-k / --top-p only where the call samples (``sampling``)."""
+    from . import UserError
+
+    given = [f for f, v in (("--temperature", args.temperature), ("--top-k", args.top_k),
+                            ("--top-p", args.top_p)) if v is not None]
+    if given and not sampling:
+        names = given[0] if len(given) == 1 else f"{', '.join(given[:-1])} and {given[-1]}"
+        raise UserError(f"{names} {'applies' if len(given) == 1 else 'apply'} only with "
+                        f"--sample")
+
+
 def _decoding(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``qkv.generate`` options of the command line."""
+    """The ``qkv.generate`` options the command line gives (those it leaves out take the
+    model's generation settings, else qkv's defaults)."""
     import torch
 
-    generator = None if args.seed is None else torch.Generator().manual_seed(args.seed)
-    return dict(num_beams=args.beams, length_penalty=args.length_penalty,
-                do_sample=args.sample,
-                temperature=1.0 if args.temperature is None else args.temperature,
-                top_k=args.top_k, top_p=args.top_p, generator=generator)
+    given = dict(num_beams=args.beams, length_penalty=args.length_penalty,
+                 do_sample=args.sample, temperature=args.temperature, top_k=args.top_k,
+                 top_p=args.top_p)
+    decoding = {k: v for k, v in given.items() if v is not None}
+    if args.seed is not None:
+        decoding["generator"] = torch.Generator().manual_seed(args.seed)
+    return decoding
 
 
 def _generate_run(args: argparse.Namespace) -> int:
@@ -294,6 +310,7 @@ def _generate_run(args: argparse.Namespace) -> int:
     framed = trained_on_pairs(info)
     rows = [[tok.bos_id, *tok.encode(p), tok.eos_id] if framed else tok.encode(p)
             for p in args.prompt]
+    args.beams = args.beams or 1  # a run carries no generation settings
     _check_sizes(model, rows, args)
     decoding = _decoding(args)
     stream = None
@@ -411,12 +428,14 @@ def _generate_model_directory(args: argparse.Namespace) -> int:
         rows = [tok.encode(p).ids for p in texts]
         if any(not r for r in rows):
             raise UserError("a prompt is empty: give at least one token to continue")
+    decoding, note = _directory_decoding(model, args, max(len(r) for r in rows))
+    args.beams, args.max_new_tokens = decoding["num_beams"], decoding.pop("max_new_tokens")
     _check_sizes(model, rows, args)
+    say_settings(*note)
 
     def decode(ids: list[int]) -> str:
         return tok.decode(ids, skip_special_tokens=True)
 
-    decoding = _decoding(args)
     stream = None
     chat = args.chat is not None
     if len(rows) == 1 and args.beams == 1:
@@ -428,6 +447,57 @@ def _generate_model_directory(args: argparse.Namespace) -> int:
                for row, new, text in zip(rows, news, texts, strict=True)]
     _print(outputs, stream)
     return 0
+
+
+def _directory_decoding(model: Any, args: argparse.Namespace, width: int
+                        ) -> tuple[dict[str, Any], tuple[Any, dict[str, Any]]]:
+    """``qkv.generate``'s options for a model directory: its generation settings
+    (``model.generation_settings``, the prompts' padded width ``width`` counted in a
+    ``max_length``) under the command line's, ``settings=None`` so that generate adds
+    nothing else; and (the settings, the options taken from their file) for
+    ``say_settings``. ``num_beams`` and ``max_new_tokens`` (None: qkv's default) are always
+    in the options."""
+    from ..generation.defaults import model_settings
+    from . import UserError
+
+    settings = model_settings(model)
+    given = _decoding(args)
+    if args.max_new_tokens is not None:
+        given["max_new_tokens"] = args.max_new_tokens
+    from_file: dict[str, Any] = {}
+    used: dict[str, Any] = {}
+    if settings is not None and settings.refused is not None:
+        raise UserError(f"the directory's generation settings cannot be honoured: "
+                        f"{settings.refused}")
+    if settings is not None and settings.source is not None:
+        try:
+            from_file = settings.generate_kwargs(False, prompt_length=width,
+                                                 do_sample=args.sample)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        from_file.pop("eos_token_id", None)  # the stops are _directory_stops'
+        from_file.pop("pad_token_id", None)
+        room = model.config.max_len - width + 1  # a file's max_length within max_len
+        if from_file.get("max_new_tokens", 0) > room >= 1:
+            from_file["max_new_tokens"] = room
+        used = {k: v for k, v in from_file.items() if k not in given}
+    decoding = {"num_beams": 1, "max_new_tokens": None, **from_file, **given}
+    _check_sampling_options(args, bool(decoding.get("do_sample")))
+    if decoding.get("do_sample") and decoding["num_beams"] > 1:
+        raise UserError(f"sampling with {decoding['num_beams']} beams (from "
+                        f"{settings.source.name if settings else 'the options'}) cannot be "
+                        f"combined: pass --greedy or --beams 1")
+    decoding["settings"] = None
+    return decoding, (settings, used)
+
+
+def say_settings(settings: Any, used: dict[str, Any]) -> None:
+    """One stderr line: the decoding options taken from the directory's generation
+    settings file (``used``), when there are any."""
+    if used:
+        print(f"qkv: decoding with {settings.source.name}'s "
+              f"{', '.join(f'{k}={v!r}' for k, v in used.items())} (options override them)",
+              file=sys.stderr)
 
 
 def _load_decoder(path: Path, int8: bool) -> Any:
@@ -573,13 +643,17 @@ def _translate_directory(args: argparse.Namespace, sources: list[str]) -> int:
 
     d = load_seq2seq_directory(Path(args.run), int8=args.int8)
     warn_unknown_pieces(d.tokenizer, sources)
-    decoding = d.decoding(num_beams=args.beams, length_penalty=args.length_penalty,
-                          max_new_tokens=args.max_new_tokens)
+    explicit = dict(num_beams=args.beams, length_penalty=args.length_penalty,
+                    max_new_tokens=args.max_new_tokens)
+    decoding = d.decoding(**explicit)
     sizes = argparse.Namespace(beams=decoding.get("num_beams", 1),
                                max_new_tokens=decoding.get("max_new_tokens"))
     _check_sizes(d.model, [d.tokenizer.encode(s) for s in sources], sizes)
-    outputs = translate(d.model, d.tokenizer, sources,
-                        stop_tokens=stop_token_ids(d.tokenizer, args.stop), **decoding)
+    stops = stop_token_ids(d.tokenizer, args.stop)
+    say_settings(d.settings, {k: v for k, v in d.decoding().items()
+                              if explicit.get(k) is None and k not in (
+                                  "eos_token_id", "pad_token_id", "decoder_start_token_id")})
+    outputs = translate(d.model, d.tokenizer, sources, stop_tokens=stops, **decoding)
     print("\n".join(outputs))
     sys.stdout.flush()
     return 0

@@ -73,8 +73,8 @@ def load_seq2seq_directory(path: Path, *, int8: bool = False) -> Seq2SeqDirector
         settings, a model int8 cannot hold."""
     from ..data.seq2seq_tokenizer import check_embedding_rows, load_seq2seq_tokenizer
     from ..files import CheckpointError
-    from ..generation.settings import read_generation_settings
     from ..models import from_pretrained
+    from ..models.generation_settings import read_generation_settings
     from . import UserError
 
     try:  # the tokenizer first: a directory without one fails before the weights are read

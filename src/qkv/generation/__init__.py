@@ -25,6 +25,7 @@ generation_config.json as ``generate``'s arguments (``read_generation_settings``
 ``GenerationSettings``).
 """
 
+from ..models.generation_settings import GenerationSettings, read_generation_settings
 from .api import generate
 from .chat import (
     ChatTemplateError,
@@ -38,7 +39,6 @@ from .chat import (
 )
 from .engine import explain
 from .search import filter_logits
-from .settings import GenerationSettings, read_generation_settings
 from .steppers import reorder_cache
 from .text import complete, complete_ids, translate, translate_ids
 

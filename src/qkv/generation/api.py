@@ -7,13 +7,16 @@ Shapes: B batch, N prompt length, S source length, K beams, T new tokens, V voca
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from ..models.generation_settings import GenerationSettings
 from ..models.transformer import Transformer
+from .defaults import FROM_MODEL, Default, model_settings, resolve_arguments
 from .engine import decoder_stepper
 from .processors import LogitsProcessors, make_processors
 from .prompt_lookup import DEFAULT_NGRAM, NgramIndex, prompt_lookup_greedy
@@ -133,20 +136,24 @@ def _gpt_keep(mask: Tensor | None, ids: Tensor) -> Tensor | None:
     return None if bool(keep.all()) else keep
 
 
-def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
-             attention_mask: Tensor | None = None, num_beams: int = 1,
-             length_penalty: float = 1.0, early_stopping: bool | str = False,
-             do_sample: bool = False, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None,
-             eos_token_id: int | Sequence[int] | None = None,
-             pad_token_id: int | None = None,
-             decoder_start_token_id: int | None = None,
-             no_repeat_ngram_size: int | None = None, min_length: int | None = None,
-             min_new_tokens: int | None = None,
-             bad_words_ids: Sequence[Sequence[int]] | None = None,
-             forced_bos_token_id: int | None = None,
-             forced_eos_token_id: int | Sequence[int] | None = None,
-             renormalize_logits: bool = False,
+def generate(model: nn.Module, input_ids: Tensor, *,
+             max_new_tokens: int = Default(None),
+             attention_mask: Tensor | None = None, num_beams: int = Default(1),
+             length_penalty: float = Default(1.0),
+             early_stopping: bool | str = Default(False),
+             do_sample: bool = Default(False), temperature: float = Default(1.0),
+             top_k: int | None = Default(None), top_p: float | None = Default(None),
+             eos_token_id: int | Sequence[int] | None = Default(None),
+             pad_token_id: int | None = Default(None),
+             decoder_start_token_id: int | None = Default(None),
+             no_repeat_ngram_size: int | None = Default(None),
+             min_length: int | None = Default(None),
+             min_new_tokens: int | None = Default(None),
+             bad_words_ids: Sequence[Sequence[int]] | None = Default(None),
+             forced_bos_token_id: int | None = Default(None),
+             forced_eos_token_id: int | Sequence[int] | None = Default(None),
+             renormalize_logits: bool = Default(False),
+             settings: GenerationSettings | str | os.PathLike | None = FROM_MODEL,
              generator: torch.Generator | None = None, use_cache: bool = True,
              prompt_lookup_num_tokens: int | None = None,
              max_matching_ngram_size: int | None = None,
@@ -155,6 +162,18 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
     """Generate tokens with a decoder-only model (``qkv.models.GPT``, or anything with its
     interface) or an encoder-decoder ``qkv.models.Transformer``.
 
+    **The checkpoint's settings are the defaults.** A model ``qkv.models.from_pretrained``
+    loaded from a HuggingFace directory carries that directory's generation settings
+    (``model.generation_settings``: generation_config.json, else config.json's generation
+    fields, ``qkv.models.generation_settings``), and every decoding argument from
+    ``max_new_tokens`` to ``renormalize_logits`` that the call does not pass takes the
+    file's value, as transformers' ``generate`` does: ``max_length`` counted as HF counts it
+    (a decoder-only model's prompt width, an encoder-decoder's start token), the file's
+    sampling filters only when the call samples (with HF's ``top_k`` 50 where the file sets
+    none). An argument passed, even at the value shown below, overrides the file;
+    ``settings=None`` decodes with qkv's defaults alone. ``qkv.generation.explain`` says
+    which values come from the file.
+
     Args:
         model: a ``GPT``-like decoder — ``model(ids, attention_mask=, cache=)`` -> logits
             (B, N, V) and ``model.new_cache(batch, capacity)`` — or a ``Transformer``. Its
@@ -162,7 +181,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
             output when it has dropout).
         input_ids: decoder-only: the prompts (B, N), left-padded, with ``attention_mask``.
             Transformer: the source ids (B, S), right-padded with ``config.pad_id``.
-        max_new_tokens: the most tokens to generate per row (T).
+        max_new_tokens: the most tokens to generate per row (T); required unless the
+            settings give it (their ``max_new_tokens`` or ``max_length``).
         attention_mask: (B, N) or (B, S) bool/int, 1 = real token. Decoder-only: the
             padding must be on the left. Transformer: default ``input_ids != pad_id``.
         num_beams: K; 1 is greedy (or sampling), K > 1 beam search.
@@ -204,6 +224,9 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
             Transformer's first new token); ``forced_eos_token_id`` (an id or several): the
             token of the last step (the ``max_new_tokens``-th); ``renormalize_logits``:
             log-softmax after all of them.
+        settings: the generation settings that give the defaults above: the model's own
+            (``model.generation_settings``, when it carries any), a ``GenerationSettings``,
+            a model directory to read them from, or None for none.
         generator: a ``torch.Generator`` for reproducible sampling.
         use_cache: False recomputes the whole sequence each step (slow; the tests' oracle).
         prompt_lookup_num_tokens: k >= 1 turns on prompt-lookup decoding (greedy only): each
@@ -267,6 +290,39 @@ any way (even in place through ``.data`` or numpy) is decoded as edited by the n
         TypeError for a ``streamer`` that is not callable, ValueError for one with beams or
         ``draft_model``.
     """
+    prompt_length = input_ids.shape[1] if isinstance(input_ids, Tensor) and \
+        input_ids.dim() == 2 else None
+    values, _ = resolve_arguments(
+        model_settings(model, settings),
+        dict(max_new_tokens=max_new_tokens, num_beams=num_beams, length_penalty=length_penalty,
+             early_stopping=early_stopping, do_sample=do_sample, temperature=temperature,
+             top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+             decoder_start_token_id=decoder_start_token_id,
+             no_repeat_ngram_size=no_repeat_ngram_size, min_length=min_length,
+             min_new_tokens=min_new_tokens, bad_words_ids=bad_words_ids,
+             forced_bos_token_id=forced_bos_token_id, forced_eos_token_id=forced_eos_token_id,
+             renormalize_logits=renormalize_logits),
+        encoder_decoder=isinstance(model, Transformer), prompt_length=prompt_length)
+    return _generate(model, input_ids, attention_mask=attention_mask, generator=generator,
+                     use_cache=use_cache, prompt_lookup_num_tokens=prompt_lookup_num_tokens,
+                     max_matching_ngram_size=max_matching_ngram_size, draft_model=draft_model,
+                     num_draft_tokens=num_draft_tokens, streamer=streamer, **values)
+
+
+def _generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int,
+              attention_mask: Tensor | None, num_beams: int, length_penalty: float,
+              early_stopping: bool | str, do_sample: bool, temperature: float,
+              top_k: int | None, top_p: float | None,
+              eos_token_id: int | Sequence[int] | None, pad_token_id: int | None,
+              decoder_start_token_id: int | None, no_repeat_ngram_size: int | None,
+              min_length: int | None, min_new_tokens: int | None,
+              bad_words_ids: Sequence[Sequence[int]] | None, forced_bos_token_id: int | None,
+              forced_eos_token_id: int | Sequence[int] | None, renormalize_logits: bool,
+              generator: torch.Generator | None, use_cache: bool,
+              prompt_lookup_num_tokens: int | None, max_matching_ngram_size: int | None,
+              draft_model: nn.Module | None, num_draft_tokens: int,
+              streamer: Callable[[Tensor], object] | None) -> Tensor:
+    """``generate`` with every argument decided (``qkv.generation.defaults``)."""
     _check_args(num_beams, length_penalty, do_sample, temperature, top_k, top_p, generator,
                 use_cache, max_new_tokens)
     if not (isinstance(early_stopping, bool) or early_stopping == "never"):

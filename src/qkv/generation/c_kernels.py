@@ -57,9 +57,12 @@ import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["Source", "build_shared", "env_off", "load_function", "load_library"]
+__all__ = ["FLAGS", "Source", "build_shared", "env_off", "first_error", "load_function",
+           "load_library"]
 
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-Wall", "-Werror", "-fPIC", "-shared"]
+#: The compiler flags of every kernel (``-march=native``: the code paths of the CPU it runs
+#: on; tests/generation/test_kernel_levels.py compiles every kernel at each x86-64 level).
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-Wall", "-Werror", "-fPIC", "-shared"]
 
 Source = str | Mapping[str, str]
 """One C text, or file name -> text (``.c`` files compiled together, ``.h`` files beside)."""
@@ -324,6 +327,14 @@ def _files(source: Source, stem: str) -> dict[str, str]:
     return files
 
 
+def first_error(stderr: str) -> str:
+    """The compiler's first error line in full (``file:line:col: error: ...``), else its
+    first non-empty line (GCC opens with "In function ...", which says no error)."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    return next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines
+                else "no message")
+
+
 def _compile(files: dict[str, str], stem: str, compiler: str, flags: list[str],
              directory: Path, name: str) -> None:
     """Compile the ``.c`` files of ``files`` into ``directory/name`` (0700) and its hash
@@ -341,8 +352,7 @@ def _compile(files: dict[str, str], stem: str, compiler: str, flags: list[str],
         except OSError as e:
             raise _give_up(compiler, f"cannot run ({e.strerror or e})") from None
         if done.returncode != 0:
-            first = next((ln for ln in done.stderr.decode(errors="replace").splitlines()
-                          if ln.strip()), "no message")
+            first = first_error(done.stderr.decode(errors="replace"))
             _say_once(("compile", stem),
                       f"qkv: the C kernel {stem!r} did not compile with {compiler} (exit "
                       f"{done.returncode}: {first.strip()}); it is off for this process, "
@@ -363,7 +373,7 @@ def _library(source: Source, stem: str, compiler: str, flags: Sequence[str]
     """(path, checked descriptor) of the library of ``source``, built unless a good one is
     cached. Raises ``OSError`` / ``subprocess.SubprocessError`` on failure."""
     files = _files(source, stem)
-    flags = [*_FLAGS, *flags]
+    flags = [*FLAGS, *flags]
     version = _compiler_version(compiler)
     texts = [source] if isinstance(source, str) else [
         part for file in sorted(files) for part in (file, files[file])]

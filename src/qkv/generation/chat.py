@@ -511,16 +511,20 @@ def chat(model: nn.Module, directory: str | os.PathLike,
         directory: the model directory holding tokenizer.json and the chat template.
         messages: ``[{"role": ..., "content": ...}, ...]``, or one question (a str: one user
             message).
-        max_new_tokens: T; default what the model's ``max_len`` leaves after the prompt, at
-            most 100.
+        max_new_tokens: T; default the model's generation settings' (``max_new_tokens``,
+            or ``max_length`` less the prompt), else 100, within what the model's
+            ``max_len`` leaves after the prompt.
         generate_kwargs: ``qkv.generate`` options (``do_sample``, ``temperature``,
-            ``generator``, ``eos_token_id``, ``streamer``, ...).
+            ``generator``, ``eos_token_id``, ``streamer``, ``settings``...); those left out
+            take the model's generation settings (``model.generation_settings``), as in
+            ``qkv.generate``.
 
     Raises:
         ValueError: a directory without a chat template, or a prompt that leaves no room in
         ``max_len``; what ``chat_prompt_ids`` and ``qkv.generate`` raise.
     """
     from .api import generate
+    from .defaults import FROM_MODEL, model_settings
 
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
@@ -539,7 +543,10 @@ def chat(model: nn.Module, directory: str | os.PathLike,
         if room < 1:
             raise ValueError(f"chat: a prompt of {len(ids)} tokens does not fit the model's "
                              f"max_len={max_len}")
-        max_new_tokens = min(_DEFAULT_MAX_NEW_TOKENS, room)
+        settings = model_settings(model, generate_kwargs.get("settings", FROM_MODEL))
+        wanted = None if settings is None or settings.refused is not None else \
+            settings.generate_kwargs(False, prompt_length=len(ids)).get("max_new_tokens")
+        max_new_tokens = min(wanted or _DEFAULT_MAX_NEW_TOKENS, room)
     device = next(model.parameters()).device
     out = generate(model, torch.tensor([ids], device=device), max_new_tokens=max_new_tokens,
                    eos_token_id=eos, **generate_kwargs)  # (1, N + T)

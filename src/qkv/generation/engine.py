@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from ..models.transformer import Transformer
 from .backends import BACKENDS, Backend
+from .defaults import describe_settings, model_settings
 from .explain_lines import backend_lines, ms_per_step
 from .plan import DecodePlan, Unplannable, decode_plan
 from .seq2seq_engine import explain_seq2seq
@@ -204,12 +205,16 @@ def explain(model: nn.Module, *, batch: int = 1, num_beams: int = 1,
     rows each): the backend that would run and, for every other one, why it refuses (or
     that it was not tried). ``dtype``, ``device``, ``threads`` default as ``choose``'s;
     ``multi_token=True`` for what prompt lookup (``prompt_lookup_num_tokens``) and the target
-    of speculative decoding run on. Returns the text. An encoder-decoder ``Transformer`` is
+    of speculative decoding run on. Returns the text; its last line says which of
+    ``generate``'s defaults the model's generation settings give
+    (``qkv.generation.defaults.describe_settings``). An encoder-decoder ``Transformer`` is
     explained by ``qkv.generation.seq2seq_engine.explain_seq2seq`` (its own backends;
     ``multi_token`` does not change them: each feeds several tokens per pass)."""
-    if isinstance(model, Transformer):
+    seq2seq = isinstance(model, Transformer)
+    settings = describe_settings(model_settings(model), encoder_decoder=seq2seq)
+    if seq2seq:
         return explain_seq2seq(model, batch=batch, num_beams=num_beams, dtype=dtype,
-                               device=device, threads=threads)
+                               device=device, threads=threads) + "\n  " + settings
     rows = batch * num_beams
     choice = choose(model, rows, dtype=dtype, device=device, threads=threads,
                     multi_token=multi_token)
@@ -219,6 +224,7 @@ def explain(model: nn.Module, *, batch: int = 1, num_beams: int = 1,
                                _describe(choice.plan)))
     lines += backend_lines(BACKENDS, choice)
     lines.append("  opt-in (backend=...): " + ", ".join(b.name for b in OPT_IN))
+    lines.append("  " + settings)
     return "\n".join(lines)
 
 

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..models.generation_settings import GenerationSettings
 from .api import generate
-from .settings import GenerationSettings, read_generation_settings
+from .defaults import FROM_MODEL, model_settings
 
 __all__ = ["complete", "complete_ids", "translate", "translate_ids"]
 
@@ -79,7 +80,7 @@ def complete_ids(model: nn.Module, rows: list[list[int]], *, pad_id: int, eos_id
 def translate(model: nn.Module, tokenizer: Any, sources: list[str], *,
               max_new_tokens: int | None = None, batch_size: int = 64,
               stop_tokens: Sequence[int] = (),
-              settings: GenerationSettings | str | os.PathLike | None = None,
+              settings: GenerationSettings | str | os.PathLike | None = FROM_MODEL,
               **decoding: Any) -> list[str]:
     """Outputs of an encoder-decoder ``Transformer`` for source strings.
 
@@ -105,9 +106,12 @@ def translate(model: nn.Module, tokenizer: Any, sources: list[str], *,
         batch_size: sources decoded together.
         stop_tokens: ids that end an output besides eos (kept in the output).
         settings: the checkpoint's generation settings, the defaults of every decoding
-            option: a ``GenerationSettings`` or a model directory to read them from
-            (``qkv.generation.settings.read_generation_settings``: generation_config.json,
-            else config.json) — num_beams, length_penalty, early_stopping,
+            option: the model's own (``model.generation_settings``, which
+            ``qkv.models.from_pretrained`` keeps from an HF directory), a
+            ``GenerationSettings`` or a model directory to read them from
+            (``qkv.models.generation_settings.read_generation_settings``:
+            generation_config.json, else config.json), None for none — num_beams,
+            length_penalty, early_stopping,
             no_repeat_ngram_size, bad_words_ids (opus-mt's never-generate-pad),
             forced_eos_token_id, renormalize_logits, eos / pad / decoder start ids, ...
             Options given here (``max_new_tokens``, ``decoding``) override them.
@@ -121,7 +125,9 @@ def translate(model: nn.Module, tokenizer: Any, sources: list[str], *,
     """
     c = model.config
     limit = c.max_len if c.absolute_positions else None
-    options = _settings_kwargs(settings)
+    chosen = model_settings(model, settings)
+    options = {} if chosen is None else chosen.generate_kwargs(
+        encoder_decoder=True, do_sample=decoding.get("do_sample"))
     options.update(decoding)
     if max_new_tokens is not None:
         options["max_new_tokens"] = max_new_tokens
@@ -141,22 +147,10 @@ def translate(model: nn.Module, tokenizer: Any, sources: list[str], *,
             raise ValueError(f"an input of {width} tokens (with eos) is longer than the model's "
                              f"max_len={limit}")
         new = translate_ids(model, rows, pad_id=tokenizer.pad_id, bos_id=start, eos_id=ends,
-                            max_new_tokens=budget, stop_tokens=stop_tokens, **options)
+                            max_new_tokens=budget, stop_tokens=stop_tokens, settings=None,
+                            **options)
         out += [tokenizer.decode(ids) for ids in new]
     return out
-
-
-def _settings_kwargs(settings: GenerationSettings | str | os.PathLike | None
-                     ) -> dict[str, Any]:
-    """``qkv.generate`` keyword arguments of an encoder-decoder's generation settings."""
-    if settings is None:
-        return {}
-    if isinstance(settings, (str, os.PathLike)):
-        settings = read_generation_settings(settings)
-    if not isinstance(settings, GenerationSettings):
-        raise TypeError(f"translate: settings must be a GenerationSettings, a directory or "
-                        f"None, got {type(settings).__name__}")
-    return settings.generate_kwargs(encoder_decoder=True)
 
 
 def complete(model: nn.Module, tokenizer: Any, prompts: list[str], *, framed: bool = True,

@@ -29,6 +29,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from ..files import CONFIG_NAME, CheckpointError, read_json
+from .generation_settings import settings_of_directory
 from .hf_state import KeyMap, map_hf_state
 from .weights import CheckpointWeights, check_against_header, check_and_load, check_layer_counts
 
@@ -129,7 +130,9 @@ def load_hf(mapping: HFMapping, model_class: type, directory: str | os.PathLike,
     model.safetensors.index.json; pytorch_model.bin only with ``allow_pickle=True``, read
     with ``torch.load(weights_only=True)``); the steps are in the module docstring.
     ``kwargs`` (``device``, ``dtype``) go to ``model_class(config, **kwargs)``. Returned in
-    eval mode, like transformers.
+    eval mode, like transformers, with the directory's generation settings as
+    ``model.generation_settings`` (``generation_settings.settings_of_directory``: the
+    defaults ``qkv.generate`` decodes with).
 
     Raises:
         CheckpointError: another ``model_type``; a config option qkv does not compute (named
@@ -165,4 +168,6 @@ def load_hf(mapping: HFMapping, model_class: type, directory: str | os.PathLike,
         return model
 
     check_against_header(build, weights, mapping.size_fields(hf, source), **kwargs)
-    return build(weights.load(), **kwargs).eval()
+    model = build(weights.load(), **kwargs).eval()
+    model.generation_settings = settings_of_directory(directory)  # qkv.generate's defaults
+    return model

@@ -207,7 +207,9 @@ def from_pretrained(directory: str | os.PathLike, *, device: torch.device | str 
       ``save_pretrained`` writes it), quantized when quantization.json is beside it;
     - a HuggingFace directory of a supported architecture (config.json ``model_type``
       "gpt2", "bert", "vit", "clip"; safetensors, sharded or not; a pickle only with
-      ``allow_pickle=True``, read with ``torch.load(weights_only=True)``);
+      ``allow_pickle=True``, read with ``torch.load(weights_only=True)``); the model keeps
+      the directory's generation settings as ``model.generation_settings``
+      (``qkv.models.hf_load.load_hf``), which ``qkv.generate`` takes as its defaults;
     - a Flamingo directory (flamingo_config.json; its bases from their recorded paths);
     - a ``qkv train`` run directory (its checkpoint, ``RUN/checkpoint/``), or a checkpoint
       with a mark file some package registered a reader for (``register_directory_reader``:

@@ -4,8 +4,12 @@
 
 typedef float vf16 __attribute__((vector_size(64)));
 
-static inline vf16 load16(const float *p) { vf16 x; __builtin_memcpy(&x, p, sizeof x); return x; }
-static inline void store16(float *p, vf16 x) { __builtin_memcpy(p, &x, sizeof x); }
+/* 16 floats from / to unaligned memory. Macros, not functions: a 64-byte vector passed or
+   returned by value has no fixed ABI below AVX-512 (GCC's -Wpsabi, an error with -Werror at
+   x86-64-v1..v3), while as a value inside one function GCC splits it into the registers the
+   target has (4 SSE, 2 AVX, 1 AVX-512, 4 NEON). */
+#define load16(p) __extension__({ vf16 x_; __builtin_memcpy(&x_, (p), sizeof x_); x_; })
+#define store16(p, v) do { vf16 v_ = (v); __builtin_memcpy((p), &v_, sizeof v_); } while (0)
 
 #define ROWS 8 /* weight rows streamed together */
 

@@ -1,4 +1,6 @@
 """A checkpoint's generation settings, read as transformers reads them, for ``qkv.generate``.
+``qkv.models.from_pretrained`` keeps those of an HF directory on the model it loads
+(``model.generation_settings``), and ``qkv.generate`` takes them as its defaults.
 
 ``read_generation_settings(directory)`` reads ``generation_config.json``; where a directory
 has none, the generation fields of ``config.json`` (older checkpoints, e.g. BART's: what
@@ -34,7 +36,7 @@ from typing import Any
 
 from ..files import CheckpointError, read_json
 
-__all__ = ["GenerationSettings", "read_generation_settings"]
+__all__ = ["GenerationSettings", "read_generation_settings", "settings_of_directory"]
 
 _FILE = "generation_config.json"
 _HF_TOP_K = 50  # transformers' default top_k when sampling (GenerationConfig defaults)
@@ -109,6 +111,13 @@ class GenerationSettings:
         renormalize_logits, do_sample: bools. temperature, top_p: finite numbers; top_k: an
             int >= 0 (0: off).
         pad_token_id, bos_token_id, decoder_start_token_id: one id each.
+        refused: why the file cannot be honoured (``settings_of_directory`` keeps the
+            error instead of raising it: ``qkv.generate`` raises it when it would use these
+            settings), None when it can.
+        sampling_filters: the file's sampling filters qkv does not implement, set to a value
+            that filters (``typical_p``, ``min_p``, ...), which the file's own
+            ``do_sample`` (not true) leaves off: a call that turns sampling on is refused
+            (``qkv.generate``), since transformers would then apply them.
     """
 
     source: Path | None = None
@@ -132,9 +141,11 @@ class GenerationSettings:
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     decoder_start_token_id: int | None = None
+    sampling_filters: tuple[str, ...] = ()
+    refused: str | None = None
 
-    def generate_kwargs(self, encoder_decoder: bool, *,
-                        prompt_length: int | None = None) -> dict[str, Any]:
+    def generate_kwargs(self, encoder_decoder: bool, *, prompt_length: int | None = None,
+                        do_sample: bool | None = None) -> dict[str, Any]:
         """``qkv.generate``'s keyword arguments for these settings, as HF's ``generate``
         applies them with no arguments of its own: the fields that are set, plus
 
@@ -145,12 +156,15 @@ class GenerationSettings:
           generate its library default of 20; qkv asks the caller);
         - ``decoder_start_token_id`` (encoder-decoder only; else left out): the file's, else
           its ``bos_token_id`` (HF's fallback);
-        - the sampling arguments only where ``do_sample`` is true: ``temperature`` and
-          ``top_p`` where they filter, ``top_k`` = the file's (0: off), else HF's default 50.
+        - the sampling arguments only where sampling is on (``do_sample``, else the
+          file's): ``temperature`` and ``top_p`` where they filter, ``top_k`` = the file's
+          (0: off), else HF's default 50.
 
         Args:
             encoder_decoder: True for a ``qkv.models.Transformer``.
             prompt_length: N, the prompts' padded width (decoder-only with ``max_length``).
+            do_sample: whether the call samples when the caller decided it (its argument
+                over the file's ``do_sample``); None: the file's.
 
         Raises:
             ValueError: ``max_length`` leaves no new token (a prompt as long as it).
@@ -182,8 +196,9 @@ class GenerationSettings:
                  else self.bos_token_id)
         if encoder_decoder and start is not None:
             kw["decoder_start_token_id"] = start
-        if self.do_sample:
-            kw["do_sample"] = True
+        if self.do_sample is not None:
+            kw["do_sample"] = self.do_sample
+        if do_sample if do_sample is not None else self.do_sample:
             if self.temperature is not None and self.temperature != 1.0:
                 kw["temperature"] = self.temperature
             top_k = _HF_TOP_K if self.top_k is None else self.top_k
@@ -194,7 +209,8 @@ class GenerationSettings:
         return kw
 
 
-_HONOURED = frozenset(f.name for f in dataclasses.fields(GenerationSettings)) - {"source"}
+_HONOURED = frozenset(f.name for f in dataclasses.fields(GenerationSettings)) - {
+    "source", "sampling_filters", "refused"}
 
 
 def read_generation_settings(directory: str | os.PathLike) -> GenerationSettings:
@@ -220,12 +236,15 @@ def read_generation_settings(directory: str | os.PathLike) -> GenerationSettings
     data = read_json(path)
     sampling = data.get("do_sample") is True  # the other sampling filters act only then
     values: dict[str, Any] = {}
+    filters: list[str] = []
     for name, value in data.items():
         if name in _HONOURED:
             if value is not None:
                 values[name] = _parse(path, name, value)
         elif name in _UNSUPPORTED:
             if name in _SAMPLING_ONLY and not sampling:
+                if value is not None and not _UNSUPPORTED[name](value):
+                    filters.append(name)
                 continue
             if value is not None and not _UNSUPPORTED[name](value):
                 raise CheckpointError(f"{path}: {name}={value!r:.60} is not supported by qkv "
@@ -235,9 +254,23 @@ def read_generation_settings(directory: str | os.PathLike) -> GenerationSettings
             continue
         else:
             warnings.warn(f"{path}: unknown generation field {name!r} ignored", stacklevel=2)
-    settings = GenerationSettings(source=path, **values)
+    settings = GenerationSettings(source=path, sampling_filters=tuple(filters), **values)
     _check_sampling(path, settings)
     return settings
+
+
+def settings_of_directory(directory: str | os.PathLike) -> GenerationSettings:
+    """``read_generation_settings(directory)``, except that a file qkv cannot honour (a
+    field it does not implement set to a value that is not neutral, a malformed value) is
+    kept as ``GenerationSettings(source=file, refused=the error)`` instead of raised: the
+    model loads (``qkv.models.from_pretrained``), and ``qkv.generate`` refuses to decode
+    with these settings, naming the field, unless the call passes ``settings=None``."""
+    try:
+        return read_generation_settings(directory)
+    except CheckpointError as exc:
+        path = Path(directory) / _FILE
+        source = path if path.exists() else Path(directory) / "config.json"
+        return GenerationSettings(source=source, refused=str(exc))
 
 
 def _check_sampling(path: Path, s: GenerationSettings) -> None:
