@@ -8,7 +8,7 @@ CONSTRAINTS := constraints.txt
 PIN = $(shell grep -E '^$(1)==' $(CONSTRAINTS))
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast test-latest demo lint bench-deps clean browser
+.PHONY: test test-fast test-latest demo lint bench-deps clean browser cross-compiler
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -42,9 +42,25 @@ browser:
 	       "will skip (fail under CI=true)" >&2; \
 	fi
 
+# tests/generation/test_kernel_levels.py compiles every C kernel for aarch64 with Debian's
+# cross compiler. Installed like the browser (root with apt-get: CI); otherwise a note, and
+# those tests skip locally (they fail under CI=true).
+cross-compiler:
+	@command -v aarch64-linux-gnu-gcc >/dev/null 2>&1 || \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	    gcc-aarch64-linux-gnu libc6-dev-arm64-cross || \
+	  { DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	      gcc-aarch64-linux-gnu libc6-dev-arm64-cross; }; \
+	else \
+	  echo "note: aarch64-linux-gnu-gcc is missing (sudo apt-get install" \
+	       "gcc-aarch64-linux-gnu); the aarch64 kernel builds will skip" >&2; \
+	fi
+
 # --no-loadscope-reorder: files start in the order tests/conftest.py's LONG_FIRST gives
 # (longest first), not sorted by their number of tests
-test: $(STAMP) browser
+test: $(STAMP) browser cross-compiler
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
@@ -65,7 +81,7 @@ test-latest: browser
 	$(LATEST)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m oracle \
 	  -p no:cacheprovider
 
-test-fast: $(STAMP) browser
+test-fast: $(STAMP) browser cross-compiler
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow"
 
 demo: $(STAMP)

@@ -180,10 +180,29 @@ def _kernel_step_agrees(model, ids, keep) -> torch.Tensor:
     fast, fast_logits = _decode(model, ids, keep, 20, "c-layer-int8")
     plain, plain_logits = _decode(model, ids, keep, 20, "int8-torch")
     _mostly_equal(fast_logits, plain_logits)
-    assert torch.equal(fast, plain)
-    assert torch.equal(fast, _uncached(model, ids, keep, 20))
+    _same_tokens_until_a_near_tie(fast, plain, fast_logits, plain_logits)
+    assert torch.equal(plain, _uncached(model, ids, keep, 20))
     assert len(set(fast.flatten().tolist())) > 3
     return fast_logits
+
+
+def _same_tokens_until_a_near_tie(fast, plain, fast_logits, plain_logits) -> None:
+    """Each row's tokens (R, T) are equal up to its first step whose logits' difference
+    could flip the argmax (plain's top-1 margin within twice the largest |difference|:
+    the activation rounding ``_mostly_equal`` allows; after it the rows decode different
+    prefixes). Measured on an AVX2-only CPU: one row flipped at step 19 of 20 (margin 0.14,
+    difference 0.34); on AVX-512 none. At least 80 % of the row-steps are compared."""
+    compared = 0
+    for r in range(fast.shape[0]):
+        for t in range(fast.shape[1]):
+            if t > 0:
+                top = plain_logits[t - 1, r].topk(2).values
+                diff = (fast_logits[t - 1, r] - plain_logits[t - 1, r]).abs().max()
+                if top[0] - top[1] <= 2 * diff:
+                    break
+            assert fast[r, t] == plain[r, t], (r, t)
+            compared += 1
+    assert compared >= 0.8 * fast.numel(), compared
 
 
 @needs_kernel
