@@ -53,6 +53,7 @@ def pair(tmp_path_factory):
     hf.save_pretrained(d, safe_serialization=True)
     hf.generation_config.eos_token_id = None
     hf.generation_config.bos_token_id = None
+    hf.generation_config.save_pretrained(d)  # qkv's model reads the same settings
     yield hf, GPT.from_hf(d).eval()
     torch.set_num_threads(threads)
 

@@ -273,7 +273,7 @@ def _directory_target(d: Any, src: list[int], target: str | None, budget: int
         kw.pop(name, None)  # greedy, for --max-new-tokens
     ends = kw.pop("eos_token_id", [tok.eos_id])
     new = translate_ids(d.model, [src], pad_id=tok.pad_id, bos_id=start, eos_id=ends,
-                        max_new_tokens=budget, **kw)[0]
+                        max_new_tokens=budget, settings=None, **kw)[0]  # kw: the settings
     return [start, *new], tok.decode(new)
 
 
