@@ -78,7 +78,7 @@ test-latest: browser
 	$(LATEST)/bin/python -m pip install -q $(TORCH_PIN)
 	$(LATEST)/bin/python -m pip install -q -e ".[dev]"
 	$(LATEST)/bin/python -m pip install -q --upgrade $(ORACLES)
-	$(LATEST)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m oracle \
+	$(LATEST)/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m oracle \
 	  -p no:cacheprovider
 
 test-fast: $(STAMP) browser cross-compiler
