@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .checks import float_in, int_in, seed
+from .stream import TokenStream
 
 GENERATE_DESCRIPTION = """\
 Continue prompts with a GPT run of `qkv train`, or with a model directory (config.json,
@@ -315,7 +315,7 @@ def _generate_run(args: argparse.Namespace) -> int:
     decoding = _decoding(args)
     stream = None
     if len(rows) == 1 and args.beams == 1:
-        stream = _Stream(tok.decode, head=[] if framed else rows[0], ends={tok.eos_id},
+        stream = TokenStream(tok.decode, head=[] if framed else rows[0], ends={tok.eos_id},
                          lead="" if framed else args.prompt[0])
         decoding["streamer"] = stream
     outputs = complete(model, tok, args.prompt, framed=framed,
@@ -325,72 +325,12 @@ def _generate_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print(outputs: list[str], stream: _Stream | None) -> None:
+def _print(outputs: list[str], stream: TokenStream | None) -> None:
     if stream is not None:
         stream.finish(outputs[0])
         return
     print("\n".join(outputs))
     sys.stdout.flush()
-
-
-class _Stream:
-    """``qkv.generate``'s streamer for one output: writes ``lead`` (the prompt as typed, or
-    nothing) and the text the new tokens add after ``head`` (the ids it continues; their text
-    is not printed again) as the tokens arrive, until a token of ``ends``. Only stable text is
-    written: the decoding of every new token so far less what was written, without its
-    trailing U+FFFD (the bytes of a character not all generated yet), and only where it
-    extends what was written. ``finish`` writes the rest of the final output and the speed."""
-
-    def __init__(self, decode: Callable[[list[int]], str], *, head: list[int],
-                 ends: set[int], lead: str) -> None:
-        self.decode, self.head, self.ends, self.lead = decode, head, ends, lead
-        self.base = decode(head) if head else ""
-        self.ids: list[int] = []
-        self.shown = ""  # written so far
-        self.ended = False
-        self.count = 0  # tokens generated (the stop token included)
-        self.start = time.perf_counter()
-        self.first: float | None = None
-
-    def text(self) -> str:
-        """The text of the new tokens so far (as ``qkv.generation.text._continuation``)."""
-        if not self.head:
-            return self.decode(self.ids)
-        whole = self.decode(self.head + self.ids)
-        return whole[len(self.base):] if whole.startswith(self.base) else self.decode(self.ids)
-
-    def __call__(self, tokens: Any) -> None:  # tokens (1,): the one row's new token
-        if self.first is None:
-            self.first = time.perf_counter()
-        self.count += 1
-        tok = int(tokens[0])
-        if self.ended or tok in self.ends:
-            self.ended = True
-            return
-        self.ids.append(tok)
-        self._write((self.lead + self.text()).rstrip("\ufffd"))
-
-    def _write(self, text: str) -> None:
-        if len(text) > len(self.shown) and text.startswith(self.shown):
-            sys.stdout.write(text[len(self.shown):])
-            sys.stdout.flush()
-            self.shown = text
-
-    def finish(self, final: str) -> None:
-        """Write what ``final`` (the output as printed without streaming) has beyond what
-        was written, a newline, and the tokens/s on stderr."""
-        seconds = time.perf_counter() - self.start
-        if final.startswith(self.shown):
-            sys.stdout.write(final[len(self.shown):] + "\n")
-        else:  # a tokenizer whose decoding changed text already written: print it whole
-            print("qkv: warning: the streamed text changed as more tokens came; the output "
-                  "follows whole", file=sys.stderr)
-            sys.stdout.write("\n" + final + "\n")
-        sys.stdout.flush()
-        first = "" if self.first is None else (
-            f", the first after {self.first - self.start:.2f} s")
-        print(f"qkv: {self.count} tokens in {seconds:.2f} s "
-              f"({self.count / max(seconds, 1e-9):.1f} tokens/s{first})", file=sys.stderr)
 
 
 def _is_model_directory(path: Path) -> bool:
@@ -439,7 +379,7 @@ def _generate_model_directory(args: argparse.Namespace) -> int:
     stream = None
     chat = args.chat is not None
     if len(rows) == 1 and args.beams == 1:
-        stream = _Stream(decode, head=[] if chat else rows[0], ends=set(ends),
+        stream = TokenStream(decode, head=[] if chat else rows[0], ends=set(ends),
                          lead="" if chat else texts[0])
         decoding["streamer"] = stream
     news = _complete_rows(model, rows, ends, pad, stops, args.max_new_tokens, decoding)

@@ -18,6 +18,7 @@ from ..models.generation_settings import GenerationSettings
 from ..models.transformer import Transformer
 from .defaults import FROM_MODEL, Default, model_settings, resolve_arguments
 from .engine import decoder_stepper
+from .lookup_stream import StreamColumns, StreamedText
 from .processors import LogitsProcessors, make_processors
 from .prompt_lookup import DEFAULT_NGRAM, NgramIndex, prompt_lookup_greedy
 from .search import beam_search, greedy_or_sample
@@ -292,7 +293,7 @@ any way (even in place through ``.data`` or numpy) is decoded as edited by the n
     """
     prompt_length = input_ids.shape[1] if isinstance(input_ids, Tensor) and \
         input_ids.dim() == 2 else None
-    values, _ = resolve_arguments(
+    values = resolve_arguments(
         model_settings(model, settings),
         dict(max_new_tokens=max_new_tokens, num_beams=num_beams, length_penalty=length_penalty,
              early_stopping=early_stopping, do_sample=do_sample, temperature=temperature,
@@ -377,50 +378,6 @@ def _check_streamer(streamer: Any, num_beams: int, draft: Any) -> None:
                          "draft_model, or with prompt_lookup_num_tokens")
 
 
-class _Columns:
-    """Assembles the tokens prompt lookup appends to each row's lookup text (in order, the
-    rows' own tokens only) into output columns (R,) for a streamer: a column is complete
-    when every row has its token there or had ended (its stop token) before it; columns
-    where every row has ended are never produced (prompt lookup's output ends there too)."""
-
-    def __init__(self, rows: int, stops: tuple[int, ...] | None, pad: int,
-                 device: torch.device, streamer: Callable[[Tensor], object]) -> None:
-        self.got: list[list[int]] = [[] for _ in range(rows)]
-        self.end: list[int | None] = [None] * rows  # tokens up to and with its stop token
-        self.stops = frozenset(stops or ())
-        self.pad, self.device, self.streamer = pad, device, streamer
-        self.sent = 0  # columns streamed
-
-    def add(self, row: int, tok: int) -> None:
-        got = self.got[row]
-        got.append(tok)
-        if tok in self.stops and self.end[row] is None:
-            self.end[row] = len(got)
-        c = self.sent
-        while (any(len(g) > c for g in self.got)
-               and all(len(g) > c or (e is not None and e <= c)
-                       for g, e in zip(self.got, self.end, strict=True))):
-            column = [g[c] if len(g) > c else self.pad for g in self.got]
-            self.streamer(torch.tensor(column, dtype=torch.long, device=self.device))
-            c = self.sent = c + 1
-
-
-class _StreamedText(NgramIndex):
-    """A row's lookup text that also hands every token appended after its initial segments
-    (the tokens prompt lookup emits for the row, in order) to ``columns``."""
-
-    def __init__(self, ngram: int, segments: list[list[int]], columns: _Columns,
-                 row: int) -> None:
-        self.columns: _Columns | None = None  # the initial segments are not streamed
-        super().__init__(ngram, segments)
-        self.columns, self.row = columns, row
-
-    def append(self, tok: int) -> None:
-        super().append(tok)
-        if self.columns is not None:
-            self.columns.add(self.row, tok)
-
-
 def _check_lookup(k: Any, ngram: Any, num_beams: int, do_sample: bool
                   ) -> tuple[int, int] | None:
     """``(k, max n-gram)`` for prompt-lookup decoding, or None when it is off."""
@@ -477,8 +434,8 @@ def _lookup(stepper, segments: list[list[list[int]]], lookup: tuple[int, int],
     if streamer is None:
         texts = [NgramIndex(ngram, segs) for segs in segments]
     else:
-        columns = _Columns(len(segments), eos, pad, device, streamer)
-        texts = [_StreamedText(ngram, segs, columns, r) for r, segs in enumerate(segments)]
+        columns = StreamColumns(len(segments), eos, pad, device, streamer)
+        texts = [StreamedText(ngram, segs, columns, r) for r, segs in enumerate(segments)]
     eos = None if eos is None else torch.tensor(eos, dtype=torch.long, device=device)
     return prompt_lookup_greedy(stepper, texts, max_new_tokens, num_tokens=k, eos=eos,
                                 pad=pad, device=device)

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..models.generation_settings import GenerationSettings, read_generation_settings
 
-__all__ = ["FROM_MODEL", "SETTABLE", "Default", "describe_settings", "model_settings",
+__all__ = ["FROM_MODEL", "Default", "describe_settings", "model_settings",
            "resolve_arguments"]
 
 
@@ -47,15 +47,6 @@ class _FromModel:
 
 FROM_MODEL: Any = _FromModel()
 
-#: The arguments a checkpoint's generation settings may give (``GenerationSettings
-#: .generate_kwargs``' keys).
-SETTABLE = ("max_new_tokens", "num_beams", "length_penalty", "early_stopping", "do_sample",
-            "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id",
-            "decoder_start_token_id", "no_repeat_ngram_size", "min_length", "min_new_tokens",
-            "bad_words_ids", "forced_bos_token_id", "forced_eos_token_id",
-            "renormalize_logits")
-
-
 def model_settings(model: nn.Module, settings: Any = FROM_MODEL) -> GenerationSettings | None:
     """The generation settings a call on ``model`` uses: ``settings`` (a
     ``GenerationSettings``, or a model directory to read them from), the model's own for
@@ -75,10 +66,9 @@ def model_settings(model: nn.Module, settings: Any = FROM_MODEL) -> GenerationSe
 
 
 def resolve_arguments(settings: GenerationSettings | None, arguments: dict[str, Any], *,
-                      encoder_decoder: bool, prompt_length: int | None
-                      ) -> tuple[dict[str, Any], dict[str, str]]:
-    """The values of the ``SETTABLE`` arguments a call decodes with, and where each one that
-    did not come from the caller came from.
+                      encoder_decoder: bool, prompt_length: int | None) -> dict[str, Any]:
+    """The values of ``generate``'s settable arguments (those ``GenerationSettings
+    .generate_kwargs`` may give) that a call decodes with.
 
     An argument passed (not a ``Default``) is taken as it is; else the settings' value
     (``settings.generate_kwargs``: HF's counts for ``max_length``; the sampling filters only
@@ -87,13 +77,9 @@ def resolve_arguments(settings: GenerationSettings | None, arguments: dict[str, 
     ``temperature`` / ``top_k`` / ``top_p`` apply only to a call that samples.
 
     Args:
-        arguments: every ``SETTABLE`` name -> the caller's value or a ``Default``.
+        arguments: each settable name -> the caller's value or a ``Default``.
         encoder_decoder: True for a ``qkv.models.Transformer``.
         prompt_length: N (a decoder-only model's ``max_length`` counts its prompt), or None.
-
-    Returns:
-        (values, origins): origins maps each value taken from the settings to their file's
-        name.
 
     Raises:
         ValueError: settings that cannot be honoured (``GenerationSettings.refused``); no
@@ -117,22 +103,14 @@ def resolve_arguments(settings: GenerationSettings | None, arguments: dict[str, 
                              f"{', '.join(settings.sampling_filters)} (set there, applied by "
                              f"transformers when sampling) is not supported by qkv; pass "
                              f"settings=None to decode without the file's settings")
-    values: dict[str, Any] = {}
-    origins: dict[str, str] = {}
-    for name, value in arguments.items():
-        if name in passed:
-            values[name] = value
-        elif name in from_file:
-            values[name] = from_file[name]
-            origins[name] = settings.source.name  # type: ignore[union-attr]
-        else:
-            values[name] = value.value
+    values = {name: value if name in passed else from_file.get(name, value.value)
+              for name, value in arguments.items()}
     if values["max_new_tokens"] is None:
         where = (f"; {settings.source} sets neither max_new_tokens nor max_length "
                  f"(transformers would stop at its default max_length=20)"
                  if settings is not None and settings.source is not None else "")
         raise ValueError(f"generate: max_new_tokens is required{where}")
-    return values, origins
+    return values
 
 
 def describe_settings(settings: GenerationSettings | None, *, encoder_decoder: bool,
